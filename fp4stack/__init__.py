@@ -1,0 +1,23 @@
+"""fp4stack: stable, fast NVFP4 training of large language models."""
+
+from .api import dequantize, fake_quantize, quantize
+from .formats import (
+    FP8Tensor,
+    NVFP4Tensor,
+    QuantSpec,
+    dequantize_fp8,
+    fake_quantize_fp8,
+    quantize_fp8,
+    rht,
+    rht_inverse,
+    swizzle_scales,
+    unswizzle_scales,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8Tensor", "NVFP4Tensor", "QuantSpec", "dequantize", "dequantize_fp8", "fake_quantize",
+    "fake_quantize_fp8", "quantize", "quantize_fp8", "rht", "rht_inverse", "swizzle_scales",
+    "unswizzle_scales",
+]

@@ -1,0 +1,199 @@
+"""NVFP4 quantize / dequantize: the readable torch reference of the specification.
+
+This file is the definition of fp4stack's numerics. The Triton kernels reproduce it bit for bit
+and are tested against it; every step below is float32, in the order the specification gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import e2m1
+from .hadamard import rht
+from .random import draw_seed, uniform
+from .spec import QuantSpec
+from .tensor import BLOCK, NVFP4Tensor, padded_k
+
+FLT_MAX = torch.finfo(torch.float32).max
+E4M3_MAX = 448.0
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
+def check_input(x: torch.Tensor, spec: QuantSpec, name: str) -> None:
+    """Shape and dtype checks shared by every backend."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: NVFP4 quantizes float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < (2 if spec.is_2d else 1):
+        raise ValueError(
+            f"{name}: block={spec.block} needs at least {2 if spec.is_2d else 1} dims, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if spec.hadamard and x.shape[-1] % BLOCK:
+        raise ValueError(
+            f"{name}: hadamard=True needs the last dim to be a multiple of 16, got "
+            f"{x.shape[-1]} (shape {tuple(x.shape)}); pad the tensor or drop the transform"
+        )
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    return int((~torch.isfinite(x)).sum().item())
+
+
+def raise_nonfinite(count: int, x: torch.Tensor, name: str) -> None:
+    if count:
+        raise ValueError(
+            f"{name}: {count} of {x.numel()} values are NaN or Inf; NVFP4 has no encoding for "
+            "them. Fix the producer of this tensor, or pass nan_policy='propagate' to quantize "
+            "anyway (NaN then spreads through the scales it touches)"
+        )
+
+
+def as_amax(amax: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A caller-imposed global amax as a float32 0-d tensor on `device`."""
+    if isinstance(amax, torch.Tensor):
+        if amax.numel() != 1:
+            raise ValueError(f"amax must be a scalar, got shape {tuple(amax.shape)}")
+        return amax.detach().reshape(()).to(device=device, dtype=torch.float32)
+    amax = float(amax)
+    if not (amax >= 0.0 and amax < float("inf")):
+        raise ValueError(f"amax must be finite and >= 0, got {amax}")
+    return torch.tensor(amax, dtype=torch.float32, device=device)
+
+
+def global_encode_scale(amax: torch.Tensor, scale_max: float = E4M3_MAX) -> torch.Tensor:
+    """S_enc = (scale_max * 6) / amax, capped at FLT_MAX; 1 where amax == 0 or S_enc == 0."""
+    s = _f32(scale_max * e2m1.E2M1_MAX, amax) / amax
+    s = torch.clamp(s, max=FLT_MAX)
+    return torch.where((amax == 0) | (s == 0), _f32(1.0, amax), s)
+
+
+def block_scale(bmax: torch.Tensor, s_enc: torch.Tensor, target: float) -> torch.Tensor:
+    """E4M3 block scale mapping a block max of `bmax` to `target` (6, or 4 for 4/6)."""
+    v = bmax * (s_enc * _f32(1.0 / target, s_enc))
+    return torch.clamp(v, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _encode(xb: torch.Tensor, s: torch.Tensor, s_dec: torch.Tensor, u: torch.Tensor | None):
+    """Codes of blocks xb [..., 16] under E4M3 scales s [...]."""
+    enc = torch.clamp(1.0 / (s.to(torch.float32) * s_dec), max=FLT_MAX)
+    y = torch.clamp(xb * enc[..., None], -e2m1.E2M1_MAX, e2m1.E2M1_MAX)
+    return e2m1.round_rne(y) if u is None else e2m1.round_stochastic(y, u)
+
+
+def _block_sq_error(xb, codes, s, dec):
+    # Sum over the 16 elements of (x_hat - x)^2, added pairwise (distance 1, 2, 4, 8 within the
+    # block) so the float32 result does not depend on a reduction order.
+    err = e2m1.code_to_value(codes) * s.to(torch.float32)[..., None] * dec - xb
+    sq = err * err
+    while sq.shape[-1] > 1:
+        sq = sq[..., 0::2] + sq[..., 1::2]
+    return sq[..., 0]
+
+
+def _block_amax(xb: torch.Tensor, is_2d: bool) -> torch.Tensor:
+    # xb: [..., R, KB, 16] -> [..., R, KB]; for 16x16 tiles, max over 16 rows too, repeated.
+    bmax = xb.abs().amax(dim=-1)
+    if not is_2d:
+        return bmax
+    *lead, r, kb = bmax.shape
+    tile = bmax.reshape(*lead, r // BLOCK, BLOCK, kb).amax(dim=-2)
+    return tile.repeat_interleave(BLOCK, dim=-2)
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec = QuantSpec(),
+    *,
+    amax: float | torch.Tensor | None = None,
+    seed: int | None = None,
+    name: str = "input",
+) -> NVFP4Tensor:
+    """Reference NVFP4 quantization of `x` along its last dim (see NVFP4_SPEC)."""
+    check_input(x, spec, name)
+    if spec.nan_policy == "raise":
+        raise_nonfinite(count_nonfinite(x), x, name)
+    shape = x.shape
+    k, kp = shape[-1], padded_k(shape[-1])
+    rows = shape[-2] if spec.is_2d else 1
+    rows_p = padded_k(rows) if spec.is_2d else 1
+
+    xf = x.detach().to(torch.float32)
+    xf = torch.nn.functional.pad(xf, (0, kp - k, 0, rows_p - rows) if spec.is_2d else (0, kp - k))
+    if spec.hadamard:
+        xf = rht(xf)
+    if amax is None:
+        amax_t = xf.abs().amax() if xf.numel() else _f32(0.0, xf)
+    else:
+        amax_t = as_amax(amax, x.device)
+
+    s_enc = global_encode_scale(amax_t, spec.scale_max)
+    s_dec = 1.0 / s_enc
+    xb = xf.reshape(*xf.shape[:-1], kp // BLOCK, BLOCK)
+    bmax = _block_amax(xb, spec.is_2d)
+
+    u = None
+    if spec.rounding == "stochastic":
+        seed = draw_seed() if seed is None else seed
+        # Element (row r, column c) of the logical [..., rows, K] tensor draws index r * Kp + c.
+        n_rows = shape[:-1].numel()
+        index = torch.arange(n_rows * kp, device=x.device, dtype=torch.int64)
+        u = uniform(index, seed).reshape(*shape[:-1], kp)
+        if spec.is_2d:
+            u = torch.nn.functional.pad(u, (0, 0, 0, rows_p - rows))
+        u = u.reshape(xb.shape)
+
+    scales = block_scale(bmax, s_enc, e2m1.E2M1_MAX)
+    codes = _encode(xb, scales, s_dec, u)
+    if spec.four_over_six:
+        scales4 = block_scale(bmax, s_enc, 4.0)
+        codes4 = _encode(xb, scales4, s_dec, u)
+        dec = amax_t * _f32(1.0 / (spec.scale_max * e2m1.E2M1_MAX), amax_t)
+        use4 = _block_sq_error(xb, codes4, scales4, dec) < _block_sq_error(xb, codes, scales, dec)
+        scales = torch.where(use4, scales4.view(torch.uint8), scales.view(torch.uint8))
+        scales = scales.view(torch.float8_e4m3fn)
+        codes = torch.where(use4[..., None], codes4, codes)
+
+    scales = _canonical_nan(scales)
+    data = e2m1.pack(codes.reshape(*xf.shape[:-1], kp))
+    if spec.is_2d:
+        data, scales = data[..., :rows, :], scales[..., :rows, :]
+    return NVFP4Tensor(
+        data=data.contiguous(), scales=scales.contiguous(), amax=amax_t, shape=shape, spec=spec
+    )
+
+
+def _canonical_nan(scales: torch.Tensor) -> torch.Tensor:
+    # One NaN encoding (0x7F) whatever the sign of the NaN that produced it.
+    bits = scales.view(torch.uint8)
+    return torch.where((bits & 0x7F) == 0x7F, 0x7F, bits).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_hat = e2m1(code) * scale * (amax * (1 / (6 * scale_max))), in float32, then cast to dtype.
+
+    With hadamard=True the result stays in the transformed domain (what a GEMM consumes);
+    `fp4stack.rht_inverse` maps it back.
+    """
+    codes = e2m1.unpack(t.data)
+    vals = e2m1.code_to_value(codes).reshape(*t.scales.shape, BLOCK)
+    x = vals * t.scales.to(torch.float32)[..., None] * t.decode_scale
+    x = x.reshape(codes.shape)[..., : t.shape[-1]]
+    return x.to(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    spec: QuantSpec = QuantSpec(),
+    *,
+    amax: float | torch.Tensor | None = None,
+    seed: int | None = None,
+    name: str = "input",
+) -> torch.Tensor:
+    """dequantize(quantize(x), x.dtype): the values a GEMM on NVFP4 operands would see."""
+    return dequantize(quantize(x, spec, amax=amax, seed=seed, name=name), x.dtype)

@@ -1,0 +1,33 @@
+"""Triton kernels, bit-exact with fp4stack.formats (float32 maths inside)."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def available() -> bool:
+    """True when Triton imports (CUDA tensors then use the kernels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantize(*args, **kwargs):
+    from .nvfp4 import quantize
+
+    return quantize(*args, **kwargs)
+
+
+def dequantize(*args, **kwargs):
+    from .nvfp4 import dequantize
+
+    return dequantize(*args, **kwargs)
+
+
+def fake_quantize(*args, **kwargs):
+    from .nvfp4 import fake_quantize
+
+    return fake_quantize(*args, **kwargs)

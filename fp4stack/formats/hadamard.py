@@ -61,7 +61,7 @@ def rht(x: torch.Tensor) -> torch.Tensor:
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     """Inverse of `rht` (its transpose): y -> y · H16 · diag(s) / 4, in float32."""
     if y.shape[-1] % BLOCK:
-        raise ValueError(f"rht_inverse needs the last dim to be a multiple of 16, got {y.shape[-1]}")
+        raise ValueError(f"rht_inverse needs a last dim multiple of 16, got {y.shape[-1]}")
     blocks = y.to(torch.float32).reshape(*y.shape[:-1], -1, BLOCK)
     x = _walsh_hadamard(blocks) * _NORM * _signs(y.device)
     return x.reshape(y.shape)

@@ -65,7 +65,7 @@ class QuantSpec:
 
     @property
     def scale_max(self) -> float:
-        """Largest E4M3 block scale the global scale maps the tensor max to (448, or 256 for 4/6)."""
+        """E4M3 block scale the tensor max is mapped to (448, or 256 for 4/6)."""
         return 256.0 if self.four_over_six else 448.0
 
     def to_dict(self) -> dict:

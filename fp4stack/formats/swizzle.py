@@ -19,7 +19,7 @@ def _padded(n: int, m: int) -> int:
 def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     """[rows, cols] scales -> flat swizzled tensor of padded_rows * padded_cols entries."""
     if scales.dim() != 2:
-        raise ValueError(f"swizzle_scales takes a 2D [rows, cols] tensor, got {tuple(scales.shape)}")
+        raise ValueError(f"swizzle_scales takes [rows, cols] scales, got {tuple(scales.shape)}")
     rows, cols = scales.shape
     rp, cp = _padded(rows, TILE_ROWS), _padded(cols, TILE_COLS)
     raw = scales.view(torch.uint8) if scales.element_size() == 1 else scales

@@ -68,7 +68,7 @@ class NVFP4Tensor:
 
     @property
     def decode_scale(self) -> torch.Tensor:
-        """Global decode scale amax * (1 / (6 * scale_max)) (ModelOpt's weights_scaling_factor_2)."""
+        """Global decode scale amax * (1 / (6 * scale_max)) (ModelOpt: weights_scaling_factor_2)."""
         return self.amax * torch.tensor(
             1.0 / (6.0 * self.spec.scale_max), dtype=torch.float32, device=self.amax.device
         )

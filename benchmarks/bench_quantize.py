@@ -1,0 +1,144 @@
+"""Speed of NVFP4 quantize / fake-quantize / dequantize on a CUDA GPU, against baselines timed in
+the same run: a device copy of the same bytes, and the torch reference (eager and torch.compile).
+
+Bandwidth counts the bytes that must move: each input read once per pass the algorithm needs
+(two passes over x when the global amax is computed in the call), each output written once.
+
+    python benchmarks/bench_quantize.py [--size 8192] [--sweep] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+
+import torch
+import triton
+import triton.testing
+
+from fp4stack.formats import nvfp4 as reference
+from fp4stack.formats.spec import QuantSpec
+from fp4stack.kernels import nvfp4 as kernels
+
+
+def bench(fn, reps: int = 3) -> float:
+    """Median milliseconds over `reps` do_bench runs (each itself a median)."""
+    return statistics.median(
+        triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median") for _ in range(reps)
+    )
+
+
+def sweep_tiles(x: torch.Tensor, amax: torch.Tensor) -> list[dict]:
+    """Time the given-amax quantize for several tile shapes; the caller keeps the fastest."""
+    rows = []
+    for bm in (8, 16, 32, 64):
+        for bk in (64, 128, 256, 512):
+            for warps in (2, 4, 8):
+                if bm * bk > 32768 or bm * bk < 1024:
+                    continue
+                kernels.QUANTIZE_TILE = kernels.TileConfig(bm, bk, warps)
+                spec = QuantSpec(nan_policy="propagate")
+                ms = bench(lambda spec=spec: kernels.quantize(x, spec, amax=amax), reps=1)
+                rows.append({"block_m": bm, "block_k": bk, "num_warps": warps, "ms": ms})
+    rows.sort(key=lambda r: r["ms"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile shapes first")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_quantize.py needs a CUDA GPU")
+
+    n = args.size
+    torch.manual_seed(0)
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    amax = x.abs().amax().float()
+    x_bytes = x.numel() * x.element_size()
+    q_bytes = x.numel() // 2 + x.numel() // 16  # packed codes + E4M3 scales
+    results: dict = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
+                     "torch": torch.__version__, "triton": triton.__version__, "size": n}
+
+    if args.sweep:
+        rows = sweep_tiles(x, amax)
+        results["sweep"] = rows
+        best = rows[0]
+        kernels.QUANTIZE_TILE = kernels.TileConfig(best["block_m"], best["block_k"],
+                                                   best["num_warps"])
+        print("tile sweep (given amax), fastest first:")
+        for r in rows[:6]:
+            print(f"  BM={r['block_m']:3d} BK={r['block_k']:4d} warps={r['num_warps']}  "
+                  f"{r['ms'] * 1e3:7.1f} us")
+
+    y = torch.empty_like(x)
+    copy_ms = bench(lambda: y.copy_(x))
+    copy_bw = 2 * x_bytes / copy_ms / 1e9  # TB/s
+    read_ms = x_bytes / copy_bw / 1e9
+    results["copy_ms"], results["copy_tbps"] = copy_ms, copy_bw
+
+    prop = QuantSpec(nan_policy="propagate")
+    cases = [
+        # name, fn, bytes moved
+        ("quantize, amax given", lambda: kernels.quantize(x, prop, amax=amax), x_bytes + q_bytes),
+        ("quantize, amax computed", lambda: kernels.quantize(x, prop), 2 * x_bytes + q_bytes),
+        ("quantize, amax computed, NaN check", lambda: kernels.quantize(x, QuantSpec()),
+         2 * x_bytes + q_bytes),
+        ("fake-quantize, amax given", lambda: kernels.fake_quantize(x, prop, amax=amax),
+         2 * x_bytes),
+        ("fake-quantize, amax computed", lambda: kernels.fake_quantize(x, prop), 3 * x_bytes),
+    ]
+    t = kernels.quantize(x, prop, amax=amax)
+    cases.append(("dequantize to bf16", lambda: kernels.dequantize(t, torch.bfloat16),
+                  q_bytes + x_bytes))
+    for label, spec in [("16x16", QuantSpec(block=(16, 16), nan_policy="propagate")),
+                        ("SR", QuantSpec(rounding="stochastic", nan_policy="propagate")),
+                        ("RHT", QuantSpec(hadamard=True, nan_policy="propagate")),
+                        ("4/6", QuantSpec(four_over_six=True, nan_policy="propagate"))]:
+        cases.append((f"fake-quantize {label}, amax given",
+                      lambda spec=spec: kernels.fake_quantize(x, spec, amax=amax, seed=1),
+                      2 * x_bytes))
+
+    ref_fake = lambda: reference.fake_quantize(x, prop, amax=amax)  # noqa: E731
+    compiled = torch.compile(ref_fake)
+    compiled_q = torch.compile(lambda: reference.quantize(x, prop, amax=amax))
+    cases += [
+        ("torch reference fake-quantize (eager)", ref_fake, 2 * x_bytes),
+        ("torch reference fake-quantize (torch.compile)", compiled, 2 * x_bytes),
+        ("torch reference quantize (torch.compile)", compiled_q, x_bytes + q_bytes),
+    ]
+
+    rows = []
+    for label, fn, nbytes in cases:
+        try:
+            ms = bench(fn)
+        except Exception as e:  # a baseline that fails to compile is reported, not fatal
+            print(f"{label}: failed ({type(e).__name__}: {e})")
+            continue
+        bw = nbytes / ms / 1e9
+        rows.append({"case": label, "us": ms * 1e3, "tbps": bw, "of_copy": bw / copy_bw})
+    results["rows"] = rows
+
+    given = next(r for r in rows if r["case"] == "quantize, amax given")["us"]
+    computed = next(r for r in rows if r["case"] == "quantize, amax computed")["us"]
+    results["amax_target_ratio"] = computed / (read_ms * 1e3 + given)
+
+    print(f"\n{results['device']}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{n}x{n} bf16, {results['date']}")
+    print(f"device copy: {copy_ms * 1e3:.1f} us = {copy_bw:.2f} TB/s (read + write)")
+    print(f"| case | time (us) | TB/s | of copy bandwidth |\n|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['case']} | {r['us']:.1f} | {r['tbps']:.2f} | {100 * r['of_copy']:.0f}% |")
+    print(f"\namax computed / (one read of x + amax given) = {results['amax_target_ratio']:.2f}"
+          f" (one read of x at copy bandwidth = {read_ms * 1e3:.1f} us)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Host side of the Triton NVFP4 kernels: same signatures and bits as fp4stack.formats.nvfp4."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..formats import nvfp4 as reference
+from ..formats.hadamard import RHT_SIGNS
+from ..formats.random import draw_seed, seed_keys
+from ..formats.spec import QuantSpec
+from ..formats.tensor import BLOCK, NVFP4Tensor, padded_k
+from . import nvfp4_jit as jit
+
+SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
+# Bit-exactness needs every float32 op rounded on its own, and libdevice's division must keep
+# subnormals, as torch does on the CPU.
+_EXACT = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Rows x columns each program handles, and its warps (tuned on the H200, see benchmarks/)."""
+
+    block_m: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+
+
+QUANTIZE_TILE = TileConfig()
+AMAX_TILE = TileConfig(block_m=32, block_k=512, num_warps=8)
+DEQUANTIZE_TILE = TileConfig()
+
+
+@functools.cache
+def _launch_options() -> dict:
+    """The options of _EXACT this Triton knows (none under the interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return {}
+    known = CUDAOptions.__dataclass_fields__
+    return {k: v for k, v in _EXACT.items() if k in known}
+
+
+def _as_3d(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """x as a [B, M, K] view: 16x16 tiles never straddle B; 1x16 flattens all rows into M."""
+    if spec.is_2d:
+        return x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x.reshape(1, -1, x.shape[-1])
+
+
+def _int32(k: int) -> int:
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def _grid(x3: torch.Tensor, kp: int, tile: TileConfig) -> tuple[int, int, int]:
+    b, m, _ = x3.shape
+    return triton.cdiv(m, tile.block_m), triton.cdiv(kp, tile.block_k), b
+
+
+def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    tile = AMAX_TILE
+    kp = padded_k(x3.shape[-1])
+    grid = _grid(x3, kp, tile)
+    partial = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=x3.device)
+    jit.amax_kernel[grid](
+        x3, partial, x3.shape[1], x3.shape[2], *x3.stride(),
+        BM=tile.block_m, BK=tile.block_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
+        num_warps=tile.num_warps, **_launch_options(),
+    )
+    return partial.amax()
+
+
+def _check_finite(maybe_bad: bool, x: torch.Tensor, name: str) -> None:
+    # The kernels flag a non-finite value after the transform; the count on the raw input decides
+    # (a Hadamard sum of huge finite values can overflow, and that is no input error).
+    if maybe_bad:
+        reference.raise_nonfinite(reference.count_nonfinite(x), x, name)
+
+
+def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
+    reference.check_input(x, spec, name)
+    x3 = _as_3d(x, spec)
+    b, m, k = x3.shape
+    kp = padded_k(k)
+    check = spec.nan_policy == "raise"
+    if amax is None:
+        amax_t = _amax(x3, spec)
+        if check:
+            _check_finite(not bool(torch.isfinite(amax_t).item()), x, name)
+            check = False
+    else:
+        amax_t = reference.as_amax(amax, x.device)
+
+    k1 = k2 = 0
+    if spec.rounding == "stochastic":
+        k1, k2 = seed_keys(draw_seed() if seed is None else seed)
+
+    tile = QUANTIZE_TILE
+    block_m = max(tile.block_m, BLOCK) if spec.is_2d else tile.block_m
+    tile = TileConfig(block_m, tile.block_k, tile.num_warps)
+    grid = _grid(x3, kp, tile)
+    dev = x.device
+    if fake:
+        out = torch.empty((b, m, k), dtype=x.dtype, device=dev)
+        data = scales = out
+    else:
+        out = None
+        data = torch.empty((b, m, kp // 2), dtype=torch.uint8, device=dev)
+        scales = torch.empty((b, m, kp // BLOCK), dtype=torch.uint8, device=dev)
+    nonfinite = torch.empty(grid[0] * grid[1] * grid[2] if check else 1, dtype=torch.int32,
+                            device=dev)
+    jit.quantize_kernel[grid](
+        x3, amax_t, data, scales, out if fake else data, nonfinite,
+        m, k, kp, *x3.stride(), _int32(k1), _int32(k2),
+        BM=tile.block_m, BK=tile.block_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,
+        SIGN_MASK=SIGN_MASK, STOCHASTIC=spec.rounding == "stochastic",
+        FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, FAKE=fake,
+        CHECK_FINITE=check, num_warps=tile.num_warps, **_launch_options(),
+    )
+    if check:
+        _check_finite(bool(nonfinite.sum().item()), x, name)
+    if fake:
+        return out.reshape(x.shape)
+    lead = x.shape[:-1]
+    scales = scales.view(torch.float8_e4m3fn).reshape(*lead, kp // BLOCK)
+    return NVFP4Tensor(
+        data=data.reshape(*lead, kp // 2), scales=scales, amax=amax_t, shape=x.shape, spec=spec
+    )
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec = QuantSpec(),
+    *,
+    amax: float | torch.Tensor | None = None,
+    seed: int | None = None,
+    name: str = "input",
+) -> NVFP4Tensor:
+    """Triton NVFP4 quantization; bit-exact with fp4stack.formats.nvfp4.quantize."""
+    if x.numel() == 0:
+        return reference.quantize(x, spec, amax=amax, seed=seed, name=name)
+    return _run(x, spec, amax, seed, name, fake=False)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    spec: QuantSpec = QuantSpec(),
+    *,
+    amax: float | torch.Tensor | None = None,
+    seed: int | None = None,
+    name: str = "input",
+) -> torch.Tensor:
+    """Fused quantize -> dequantize in one pass; bit-exact with the reference's fake_quantize."""
+    if x.numel() == 0:
+        return reference.fake_quantize(x, spec, amax=amax, seed=seed, name=name)
+    return _run(x, spec, amax, seed, name, fake=True)
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton NVFP4 dequantization; bit-exact with fp4stack.formats.nvfp4.dequantize."""
+    k = t.shape[-1]
+    if t.data.numel() == 0 or k == 0:
+        return reference.dequantize(t, dtype)
+    kp = padded_k(k)
+    data = t.data.reshape(-1, kp // 2)
+    scales = t.scales.view(torch.uint8).reshape(-1, kp // BLOCK)
+    r = data.shape[0]
+    out = torch.empty((r, k), dtype=dtype, device=t.device)
+    tile = DEQUANTIZE_TILE
+    grid = (triton.cdiv(r, tile.block_m), triton.cdiv(kp, tile.block_k))
+    jit.dequantize_kernel[grid](
+        data, scales, t.amax, out, r, k, kp,
+        BM=tile.block_m, BK=tile.block_k, SCALE_MAX=t.spec.scale_max,
+        num_warps=tile.num_warps, **_launch_options(),
+    )
+    return out.reshape(t.shape)

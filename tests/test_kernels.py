@@ -1,0 +1,179 @@
+"""Triton kernels vs the torch reference, bit for bit (data bytes, scale bytes, amax, values).
+
+On CPU the kernels run under the Triton interpreter on small float32 inputs; on a GPU the same
+tests run compiled, plus large and adversarial cases (marked gpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4stack.formats import nvfp4 as reference
+from fp4stack.formats.spec import QuantSpec
+
+triton = pytest.importorskip("triton")
+from fp4stack.kernels import nvfp4 as kernels  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+SPECS = {
+    "rne": QuantSpec(),
+    "2d": QuantSpec(block=(16, 16)),
+    "sr": QuantSpec(rounding="stochastic"),
+    "rht": QuantSpec(hadamard=True),
+    "rht-sr": QuantSpec(hadamard=True, rounding="stochastic"),
+    "4over6": QuantSpec(four_over_six=True),
+    "2d-sr-4over6": QuantSpec(block=(16, 16), rounding="stochastic", four_over_six=True),
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, except that any NaN equals any NaN (payloads carry no meaning)."""
+    a, b = a.cpu(), b.cpu()
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return bool(((bits(a) == bits(b)) | both_nan).all()) and a.shape == b.shape
+
+
+def assert_same_quantized(got, want):
+    assert got.shape == want.shape and got.spec == want.spec
+    assert torch.equal(bits(got.amax), bits(want.amax)), (got.amax, want.amax)
+    bad_scales = (bits(got.scales) != bits(want.scales)).sum().item()
+    bad_data = (bits(got.data) != bits(want.data)).sum().item()
+    assert bad_scales == 0 and bad_data == 0, f"{bad_scales} scale bytes, {bad_data} data bytes"
+
+
+def check_all_paths(x: torch.Tensor, spec: QuantSpec, **kw):
+    """quantize, fake_quantize and dequantize of the kernels equal the reference (on CPU)."""
+    want = reference.quantize(x.cpu(), spec, **kw)
+    got = kernels.quantize(x, spec, **kw)
+    assert_same_quantized(got, want)
+    assert same_values(kernels.dequantize(want.to(x.device)), reference.dequantize(want))
+    fake_want = reference.dequantize(want, x.dtype)
+    assert same_values(kernels.fake_quantize(x, spec, **kw), fake_want)
+
+
+def wide_range(rows: int, cols: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    # Rows spanning 1e-6..1e3 reach subnormal E4M3 block scales.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 3, rows)[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("shape", [(40, 64), (3, 17, 48)])
+def test_kernels_match_reference(name, shape):
+    spec = SPECS[name]
+    x = wide_range(int(torch.tensor(shape[:-1]).prod()), shape[-1], seed=len(name))
+    check_all_paths(x.reshape(shape).to(DEVICE), spec, seed=11)
+
+
+@pytest.mark.parametrize("name", ["rne", "2d", "sr", "4over6"])
+def test_k_not_multiple_of_16_and_given_amax(name):
+    x = wide_range(20, 37, seed=3).to(DEVICE)
+    check_all_paths(x, SPECS[name], seed=5)
+    check_all_paths(x, SPECS[name], seed=5, amax=float(x.abs().max()) * 3)
+
+
+def test_tie_points_exact():
+    # amax = 2688 makes S_enc = 1, and a power-of-two block scale s gives exact x / s, so every
+    # element lands exactly on an E2M1 rounding tie (or one float32 ulp beside it).
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    near = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    vals = torch.cat([torch.tensor([6.0]), near, -near, torch.zeros(1)])  # 23 + 22 + 1 = 46
+    vals = torch.nn.functional.pad(vals, (0, 48 - vals.numel()))
+    scales = 2.0 ** torch.arange(-8, 6, dtype=torch.float32)
+    x = (vals[None, :] * scales[:, None]).to(DEVICE)
+    check_all_paths(x, SPECS["rne"], amax=2688.0)
+    check_all_paths(x, SPECS["4over6"], amax=1536.0)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.zeros(16, 32),
+        torch.full((16, 32), torch.finfo(torch.float32).max),
+        torch.full((16, 32), -torch.finfo(torch.float32).max),
+        torch.full((16, 32), torch.finfo(torch.float32).tiny / 8),  # float32 subnormals
+        torch.cat([torch.randn(15, 32), torch.full((1, 32), 1e4)]),
+    ],
+    ids=["zeros", "max", "-max", "fp32-subnormal", "outlier"],
+)
+@pytest.mark.parametrize("name", ["rne", "2d", "4over6", "sr"])
+def test_adversarial(x, name):
+    check_all_paths(x.to(DEVICE), SPECS[name], seed=1)
+
+
+def test_nan_propagate_and_raise():
+    x = torch.randn(16, 32)
+    x[3, 5] = float("nan")
+    x[7, 9] = float("inf")
+    spec = QuantSpec(nan_policy="propagate")
+    check_all_paths(x.to(DEVICE), spec)
+    check_all_paths(x.to(DEVICE), spec, amax=10.0)
+    for amax in (None, 10.0):
+        with pytest.raises(ValueError, match="weights: 2 of 512 values are NaN or Inf"):
+            kernels.quantize(x.to(DEVICE), QuantSpec(), amax=amax, name="weights")
+
+
+def test_non_contiguous_input():
+    x = wide_range(48, 32, seed=9).to(DEVICE)
+    check_all_paths(x.t(), SPECS["rne"])
+    check_all_paths(x[:, ::2], SPECS["2d"])
+
+
+def test_seed_is_the_only_randomness():
+    x = torch.randn(16, 64).to(DEVICE)
+    a = kernels.quantize(x, SPECS["sr"], seed=7)
+    b = kernels.quantize(x, SPECS["sr"], seed=7)
+    c = kernels.quantize(x, SPECS["sr"], seed=8)
+    assert torch.equal(a.data, b.data) and not torch.equal(a.data, c.data)
+
+
+# ---- compiled kernels on the GPU: large and adversarial inputs ------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gpu_large_random(name, dtype):
+    x = wide_range(2048, 4096, dtype, seed=1).cuda()
+    check_all_paths(x, SPECS[name], seed=123)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_8192_squared_rne(dtype):
+    x = (torch.randn(8192, 8192, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    check_all_paths(x.cuda(), SPECS["rne"])
+    check_all_paths(x.cuda(), SPECS["rne"], amax=100.0)
+
+
+@gpu
+def test_gpu_bf16_every_value():
+    # Every finite bf16 bit pattern, in blocks of neighbours and with a shared amax.
+    allbits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = allbits[torch.isfinite(allbits)].float()
+    x = x[: x.numel() // 64 * 64].reshape(-1, 64).to(torch.bfloat16).cuda()
+    for name in ("rne", "sr", "4over6"):
+        check_all_paths(x, SPECS[name], seed=3)
+        check_all_paths(x, SPECS[name], seed=3, amax=float(torch.finfo(torch.bfloat16).max))
+
+
+@gpu
+def test_gpu_stochastic_rounding_statistics():
+    # Unbiased: the mean of many draws converges to x much closer than RNE gets.
+    x = torch.randn(64, 256, device="cuda")
+    amax = float(x.abs().max())
+    draws = torch.stack([
+        kernels.fake_quantize(x, SPECS["sr"], seed=s, amax=amax) for s in range(512)
+    ])
+    rne = kernels.fake_quantize(x, SPECS["rne"], amax=amax)
+    bias = (draws.mean(0) - x).norm() / x.norm()
+    assert bias < 0.25 * ((rne - x).norm() / x.norm())

@@ -130,7 +130,7 @@ def main() -> None:
     print(f"\n{results['device']}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{n}x{n} bf16, {results['date']}")
     print(f"device copy: {copy_ms * 1e3:.1f} us = {copy_bw:.2f} TB/s (read + write)")
-    print(f"| case | time (us) | TB/s | of copy bandwidth |\n|---|---:|---:|---:|")
+    print("| case | time (us) | TB/s | of copy bandwidth |\n|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['case']} | {r['us']:.1f} | {r['tbps']:.2f} | {100 * r['of_copy']:.0f}% |")
     print(f"\namax computed / (one read of x + amax given) = {results['amax_target_ratio']:.2f}"

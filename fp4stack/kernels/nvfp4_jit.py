@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -49,18 +49,45 @@ def e4m3_value(bits):
     sub = (mag & 7).to(tl.float32) * 0.001953125
     norm = ((mag + ((127 - 7) << 3)) << 20).to(tl.float32, bitcast=True)
     v = tl.where(mag < 8, sub, norm)
-    v = tl.where(mag == 0x7F, float("nan"), v)
-    return tl.where((bits & 0x80) != 0, -v, v)
+    v = tl.where(mag == 0x7F, float("nan"), v).to(tl.int32, bitcast=True)
+    return (v | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def sign_bit(y):
+    """Bit 3 of an E2M1 code: set for y < 0 (not for -0.0 or NaN), as formats/e2m1.py."""
+    return (y < 0).to(tl.int32) << 3
+
+
+@triton.jit
+def _e2m1_round_parts(y):
+    # Round |y| to one mantissa bit by adding c = 2**(E + 22), E = max(exponent of |y|, 0): the
+    # sum's ulp is the E2M1 step of that binade (0.5 below 2, then 1, then 2), and float32
+    # addition rounds to nearest even. Clamping to 8 first keeps c finite and saturates.
+    a = tl.minimum(tl.abs(y), 8.0)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)
+    c_bits = e + (22 << 23)
+    s = a + c_bits.to(tl.float32, bitcast=True)
+    return s, c_bits, e
 
 
 @triton.jit
 def e2m1_rne(y):
     """E2M1 codes (int32) of float32 y, RNE, saturating; NaN -> 0 (as in formats/e2m1.py)."""
-    a = tl.abs(y)
-    mag = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    mag += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-    mag += (a > 5.0).to(tl.int32)
-    return mag | ((y < 0).to(tl.int32) << 3)
+    s, c_bits, e = _e2m1_round_parts(y)
+    # s = c + k * step exactly, so k = bits(s) - bits(c); the code is k + 2E (capped at 7).
+    code = tl.minimum((s.to(tl.int32, bitcast=True) - c_bits) + ((e >> 22) - 254), 7)
+    code = tl.where(y != y, 0, code)
+    return code | sign_bit(y)
+
+
+@triton.jit
+def e2m1_rne_value(y):
+    """The float32 grid value of e2m1_rne(y) (NaN y gives 0, as its code does)."""
+    s, c_bits, _ = _e2m1_round_parts(y)
+    r = tl.minimum(s - c_bits.to(tl.float32, bitcast=True), 6.0)
+    r = tl.where(y != y, 0.0, r)
+    return (r.to(tl.int32, bitcast=True) | (sign_bit(y) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -72,8 +99,9 @@ def e2m1_magnitude(mag):
 
 @triton.jit
 def e2m1_value(code):
-    v = e2m1_magnitude(code & 7)
-    return tl.where((code & 8) != 0, -v, v)
+    # The sign goes in by bits: `-v` may compile to 0 - v, which loses the sign of -0.0.
+    v = e2m1_magnitude(code & 7).to(tl.int32, bitcast=True)
+    return (v | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -107,25 +135,27 @@ def e2m1_stochastic(y, u):
     frac = (a - e2m1_magnitude(lo)) * inv_gap
     up = (u < frac) & (lo < 7)
     mag = tl.where(up, lo + 1, lo)
-    return mag | ((y < 0).to(tl.int32) << 3)
+    return mag | sign_bit(y)
+
+
+@triton.jit
+def butterfly(v, D: tl.constexpr):
+    """One Walsh-Hadamard stage on rows of 16: (a, b) -> (a + b, a - b) for pairs D apart."""
+    N: tl.constexpr = v.shape[0]
+    w = tl.reshape(v, (N, 8 // D, 2, D))
+    pair = tl.arange(0, 2)
+    s = tl.sum(w, axis=2)  # a + b: a single add per pair
+    d = tl.sum(w * tl.where(pair == 0, 1.0, -1.0)[None, None, :, None], axis=2)  # a + (-b)
+    w = tl.where((pair == 0)[None, None, :, None], s[:, :, None, :], d[:, :, None, :])
+    return tl.reshape(w, (N, 16))
 
 
 @triton.jit
 def rht16(v, SIGN_MASK: tl.constexpr):
     """x -> x · diag(s) · H16 / 4 on rows of 16 (v: [N, 16] float32), butterflies at 8, 4, 2, 1."""
-    N: tl.constexpr = v.shape[0]
     lane = tl.arange(0, 16)
     v = v * tl.where(((SIGN_MASK >> lane) & 1) != 0, -1.0, 1.0)[None, :]
-    pair = tl.arange(0, 2)
-    first = (pair == 0)[None, None, :, None]
-    sign = tl.where(pair == 0, 1.0, -1.0)[None, None, :, None]
-    for i in tl.static_range(4):
-        D: tl.constexpr = 8 >> i
-        w = tl.reshape(v, (N, 8 // D, 2, D))
-        s = tl.sum(w, axis=2)  # a + b: a single add per pair
-        d = tl.sum(w * sign, axis=2)  # a + (-b) == a - b exactly
-        w = tl.where(first, s[:, :, None, :], d[:, :, None, :])
-        v = tl.reshape(w, (N, 16))
+    v = butterfly(butterfly(butterfly(butterfly(v, 8), 4), 2), 1)
     return v * 0.25
 
 
@@ -143,12 +173,18 @@ def block_scale_bits(bmax, s_enc, INV_TARGET: tl.constexpr):
 
 
 @triton.jit
+def scaled(xb, scale_bits, s_dec):
+    """Blocks xb [R, KB, 16] in units of their E4M3 scale [R, KB], ready for E2M1 rounding."""
+    enc = min_nan(tl.math.div_rn(1.0, e4m3_value(scale_bits) * s_dec), FLT_MAX)
+    # No clamp to [-6, 6]: the rounding functions saturate by themselves and map NaN to 0,
+    # exactly as after the reference's clamp.
+    return xb * enc[:, :, None]
+
+
+@triton.jit
 def encode(xb, scale_bits, s_dec, u, STOCHASTIC: tl.constexpr):
     """Codes of blocks xb [R, KB, 16] under E4M3 scale bits [R, KB]."""
-    enc = min_nan(tl.math.div_rn(1.0, e4m3_value(scale_bits) * s_dec), FLT_MAX)
-    # No clamp to [-6, 6]: both rounding functions saturate by themselves and map NaN to 0,
-    # exactly as after the reference's clamp.
-    y = xb * enc[:, :, None]
+    y = scaled(xb, scale_bits, s_dec)
     if STOCHASTIC:
         return e2m1_stochastic(y, u)
     else:
@@ -169,13 +205,40 @@ def block_sq_error(xb, codes, scale_bits, dec):
 
 
 @triton.jit
+def quad_step(t, N: tl.constexpr):
+    """[T, 2N, KB, 2N] -> [T, N, KB, N]: each 2x2 group summed as (a00 + a11) + (a01 + a10)."""
+    T: tl.constexpr = t.shape[0]
+    KB: tl.constexpr = t.shape[2]
+    w = tl.reshape(t, (T, N, 2, KB, N, 2))
+    i = tl.arange(0, 2)
+    diag = (i[:, None] == i[None, :])[None, None, :, None, None, :]
+    d = tl.sum(tl.sum(tl.where(diag, w, 0.0), axis=5), axis=2)  # a00 + a11 (x + 0.0 is exact)
+    a = tl.sum(tl.sum(tl.where(diag, 0.0, w), axis=5), axis=2)  # a01 + a10
+    return d + a
+
+
+@triton.jit
+def tile_sq_error(xb, codes, scale_bits, dec):
+    # 16x16 tiles: the tile's sum of (x_hat - x)^2 as a quadtree of 2x2 groups, as the reference
+    # (every partial sum is transpose-invariant), repeated on the tile's 16 rows.
+    R: tl.constexpr = xb.shape[0]
+    KB: tl.constexpr = xb.shape[1]
+    err = e2m1_value(codes) * e4m3_value(scale_bits)[:, :, None] * dec - xb
+    t = tl.reshape(err * err, (R // 16, 16, KB, 16))
+    t = quad_step(quad_step(quad_step(quad_step(t, 8), 4), 2), 1)
+    t = tl.reshape(t, (R // 16, 1, KB))
+    return tl.reshape(tl.broadcast_to(t, (R // 16, 16, KB)), (R, KB))
+
+
+@triton.jit
 def load_tile(x_ptr, b, rows, cols, M, K, sb, sm, sk, HADAMARD: tl.constexpr,
               SIGN_MASK: tl.constexpr):
     """Tile [BM, BK] of x (zero outside M x K) as float32, transformed when HADAMARD."""
     BM: tl.constexpr = rows.shape[0]
     BK: tl.constexpr = cols.shape[0]
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    ptrs = x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64)[:, None] * sm + cols.to(tl.int64)[None, :] * sk
+    ptrs = x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64)[:, None] * sm
+    ptrs += cols.to(tl.int64)[None, :] * sk
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if HADAMARD:
         x = tl.reshape(rht16(tl.reshape(x, (BM * BK // 16, 16)), SIGN_MASK), (BM, BK))
@@ -233,18 +296,28 @@ def quantize_kernel(
         u = tl.reshape(uniform(index, k1.to(tl.uint32), k2.to(tl.uint32)), (BM, KB, 16))
 
     sbits = block_scale_bits(bmax, s_enc, 1.0 / 6.0)
-    codes = encode(xb, sbits, s_dec, u, STOCHASTIC)
-    if FOUR_OVER_SIX:
-        dec = amax * (1.0 / (SCALE_MAX * 6.0))
-        sbits4 = block_scale_bits(bmax, s_enc, 0.25)
-        codes4 = encode(xb, sbits4, s_dec, u, STOCHASTIC)
-        use4 = block_sq_error(xb, codes4, sbits4, dec) < block_sq_error(xb, codes, sbits, dec)
-        sbits = tl.where(use4, sbits4, sbits)
-        codes = tl.where(use4[:, :, None], codes4, codes)
+    if FAKE and not STOCHASTIC and not FOUR_OVER_SIX:
+        # Hot path of fake quantization: the rounded value, without going through codes.
+        vals = e2m1_rne_value(scaled(xb, sbits, s_dec))
+    else:
+        codes = encode(xb, sbits, s_dec, u, STOCHASTIC)
+        if FOUR_OVER_SIX:
+            dec = amax * (1.0 / (SCALE_MAX * 6.0))
+            sbits4 = block_scale_bits(bmax, s_enc, 0.25)
+            codes4 = encode(xb, sbits4, s_dec, u, STOCHASTIC)
+            if IS_2D:
+                err4 = tile_sq_error(xb, codes4, sbits4, dec)
+                use4 = err4 < tile_sq_error(xb, codes, sbits, dec)
+            else:
+                err4 = block_sq_error(xb, codes4, sbits4, dec)
+                use4 = err4 < block_sq_error(xb, codes, sbits, dec)
+            sbits = tl.where(use4, sbits4, sbits)
+            codes = tl.where(use4[:, :, None], codes4, codes)
+        vals = e2m1_value(codes)
 
     if FAKE:
         dec = amax * (1.0 / (SCALE_MAX * 6.0))
-        xh = e2m1_value(codes) * e4m3_value(sbits)[:, :, None] * dec
+        xh = vals * e4m3_value(sbits)[:, :, None] * dec
         ptrs = out_ptr + (b * M + rows.to(tl.int64))[:, None] * K + cols[None, :]
         tl.store(ptrs, tl.reshape(xh, (BM, BK)).to(out_ptr.dtype.element_ty), mask=mask)
     else:

@@ -1,0 +1,58 @@
+# fp4stack: `make demo` and `make test` work from a fresh clone.
+#
+# Each target creates the virtual environment if it is missing, installs the pinned torch first
+# (so no unpinned requirement can pull a multi-GB CUDA build), then the project. Stamp files in
+# the venv make re-runs fast; editing pyproject.toml triggers a re-install.
+#
+#   make demo               quantization-error table (CPU, a few seconds)
+#   make test               ruff + pytest
+#   make lint               ruff only
+#   make clean              build outputs and caches (keeps the venv)
+#   make distclean          clean + remove the venv
+#   make VENV=/tmp/v test   use another venv directory
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cpu demo   torch's CPU build from its index
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP_FLAGS ?= -q
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip $(PIP_FLAGS)
+LINT_PATHS := $(wildcard fp4stack tests benchmarks)
+
+.PHONY: demo test lint clean distclean
+.PRECIOUS: $(VENV)/.installed-%
+
+demo: $(VENV)/.installed-base
+	$(VENV)/bin/fp4stack quant-error
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+
+# The venv with torch in it. Torch is pinned and installed on its own, before anything else.
+$(VENV)/.installed-torch:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH)"
+	touch $@
+
+# The project (editable) with an extra; torch is repeated so pip keeps the pinned build.
+$(VENV)/.installed-base: pyproject.toml $(VENV)/.installed-torch
+	$(PIP) install -e . "$(TORCH)"
+	touch $@
+
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.installed-torch
+	$(PIP) install -e ".[$*]" "$(TORCH)"
+	touch $@
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find $(LINT_PATHS) -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,23 @@
+"""Every ```python block of README.md runs, in order, on the CPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch, capsys):
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 5
+    monkeypatch.chdir(tmp_path)  # the save/load example writes a file
+    namespace: dict = {"__name__": "__readme__"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "NaN or Inf" in out

@@ -33,15 +33,15 @@ def bench(fn, reps: int = 3) -> float:
 def sweep_tiles(x: torch.Tensor, amax: torch.Tensor) -> list[dict]:
     """Time the given-amax quantize for several tile shapes; the caller keeps the fastest."""
     rows = []
-    for bm in (8, 16, 32, 64):
-        for bk in (64, 128, 256, 512):
+    spec = QuantSpec(nan_policy="propagate")
+    for bm in (4, 8, 16, 32, 64):
+        for kb in (4, 8, 16, 32):
             for warps in (2, 4, 8):
-                if bm * bk > 32768 or bm * bk < 1024:
+                if not 1024 <= bm * kb * 16 <= 32768 or bm * kb < 32 * warps:
                     continue
-                kernels.QUANTIZE_TILE = kernels.TileConfig(bm, bk, warps)
-                spec = QuantSpec(nan_policy="propagate")
-                ms = bench(lambda spec=spec: kernels.quantize(x, spec, amax=amax), reps=1)
-                rows.append({"block_m": bm, "block_k": bk, "num_warps": warps, "ms": ms})
+                kernels.QUANTIZE_TILE = kernels.TileConfig(bm, kb, warps)
+                ms = bench(lambda: kernels.quantize(x, spec, amax=amax), reps=1)
+                rows.append({"block_m": bm, "blocks_k": kb, "num_warps": warps, "ms": ms})
     rows.sort(key=lambda r: r["ms"])
     return rows
 
@@ -68,11 +68,11 @@ def main() -> None:
         rows = sweep_tiles(x, amax)
         results["sweep"] = rows
         best = rows[0]
-        kernels.QUANTIZE_TILE = kernels.TileConfig(best["block_m"], best["block_k"],
+        kernels.QUANTIZE_TILE = kernels.TileConfig(best["block_m"], best["blocks_k"],
                                                    best["num_warps"])
         print("tile sweep (given amax), fastest first:")
         for r in rows[:6]:
-            print(f"  BM={r['block_m']:3d} BK={r['block_k']:4d} warps={r['num_warps']}  "
+            print(f"  rows={r['block_m']:3d} blocks={r['blocks_k']:3d} warps={r['num_warps']}  "
                   f"{r['ms'] * 1e3:7.1f} us")
 
     y = torch.empty_like(x)

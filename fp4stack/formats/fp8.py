@@ -36,8 +36,8 @@ def _amax_blocks(xf: torch.Tensor, granularity: str) -> torch.Tensor:
     if granularity == "tensor":
         return a.amax() if a.numel() else torch.zeros((), device=a.device)
     if granularity == "row":
-        return a.amax(dim=-1, keepdim=True)
-    return a.reshape(*a.shape[:-1], -1, FP8_BLOCK).amax(dim=-1)
+        return a.amax(dim=-1, keepdim=True) if a.shape[-1] else a.new_zeros(*a.shape[:-1], 1)
+    return a.reshape(*a.shape[:-1], a.shape[-1] // FP8_BLOCK, FP8_BLOCK).amax(dim=-1)
 
 
 def _expand(scale: torch.Tensor, granularity: str) -> torch.Tensor:

@@ -96,6 +96,22 @@ def _block_sq_error(xb, codes, s, dec):
     return sq[..., 0]
 
 
+def _tile_sq_error(xb, codes, s, dec):
+    # 16x16 tiles choose 4/6 per tile (they share one scale). xb: [..., R, KB, 16] -> [..., R, KB],
+    # each row holding its tile's sum of (x_hat - x)^2 over 256 elements, added as a quadtree of
+    # 2x2 groups, each (top-left + bottom-right) + (top-right + bottom-left): every partial sum
+    # is unchanged by transposing the tile, so W and W^T make the same choice bit for bit.
+    err = e2m1.code_to_value(codes) * s.to(torch.float32)[..., None] * dec - xb
+    sq = err * err
+    *lead, r, kb, _ = sq.shape
+    t = sq.reshape(*lead, r // BLOCK, BLOCK, kb, BLOCK).transpose(-3, -2)
+    while t.shape[-1] > 1:
+        a00, a01 = t[..., 0::2, 0::2], t[..., 0::2, 1::2]
+        a10, a11 = t[..., 1::2, 0::2], t[..., 1::2, 1::2]
+        t = (a00 + a11) + (a01 + a10)
+    return t[..., 0, 0].repeat_interleave(BLOCK, dim=-2)
+
+
 def _block_amax(xb: torch.Tensor, is_2d: bool) -> torch.Tensor:
     # xb: [..., R, KB, 16] -> [..., R, KB]; for 16x16 tiles, max over 16 rows too, repeated.
     bmax = xb.abs().amax(dim=-1)
@@ -154,7 +170,8 @@ def quantize(
         scales4 = block_scale(bmax, s_enc, 4.0)
         codes4 = _encode(xb, scales4, s_dec, u)
         dec = amax_t * _f32(1.0 / (spec.scale_max * e2m1.E2M1_MAX), amax_t)
-        use4 = _block_sq_error(xb, codes4, scales4, dec) < _block_sq_error(xb, codes, scales, dec)
+        sq_error = _tile_sq_error if spec.is_2d else _block_sq_error
+        use4 = sq_error(xb, codes4, scales4, dec) < sq_error(xb, codes, scales, dec)
         scales = torch.where(use4, scales4.view(torch.uint8), scales.view(torch.uint8))
         scales = scales.view(torch.float8_e4m3fn)
         codes = torch.where(use4[..., None], codes4, codes)

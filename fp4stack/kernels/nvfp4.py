@@ -24,15 +24,20 @@ _EXACT = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Rows x columns each program handles, and its warps (tuned on the H200, see benchmarks/)."""
+    """Rows x 16-element blocks each program handles, and its warps (tuned on the H200 with
+    benchmarks/bench_quantize.py --sweep)."""
 
     block_m: int = 16
-    block_k: int = 256
+    blocks_k: int = 16
     num_warps: int = 4
+
+    @property
+    def block_k(self) -> int:
+        return 16 * self.blocks_k
 
 
 QUANTIZE_TILE = TileConfig()
-AMAX_TILE = TileConfig(block_m=32, block_k=512, num_warps=8)
+AMAX_TILE = TileConfig(block_m=32, blocks_k=32, num_warps=8)
 DEQUANTIZE_TILE = TileConfig()
 
 
@@ -72,7 +77,7 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     partial = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=x3.device)
     jit.amax_kernel[grid](
         x3, partial, x3.shape[1], x3.shape[2], *x3.stride(),
-        BM=tile.block_m, BK=tile.block_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
+        BM=tile.block_m, KB=tile.blocks_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
         num_warps=tile.num_warps, **_launch_options(),
     )
     return partial.amax()
@@ -105,7 +110,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
 
     tile = QUANTIZE_TILE
     block_m = max(tile.block_m, BLOCK) if spec.is_2d else tile.block_m
-    tile = TileConfig(block_m, tile.block_k, tile.num_warps)
+    tile = TileConfig(block_m, tile.blocks_k, tile.num_warps)
     grid = _grid(x3, kp, tile)
     dev = x.device
     if fake:
@@ -120,7 +125,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
     jit.quantize_kernel[grid](
         x3, amax_t, data, scales, out if fake else data, nonfinite,
         m, k, kp, *x3.stride(), _int32(k1), _int32(k2),
-        BM=tile.block_m, BK=tile.block_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,
+        BM=tile.block_m, KB=tile.blocks_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,
         SIGN_MASK=SIGN_MASK, STOCHASTIC=spec.rounding == "stochastic",
         FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, FAKE=fake,
         CHECK_FINITE=check, num_warps=tile.num_warps, **_launch_options(),

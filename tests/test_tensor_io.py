@@ -1,0 +1,166 @@
+"""NVFP4Tensor: construction checks, device moves, and the safetensors round trip (atomic)."""
+
+import json
+
+import pytest
+import torch
+
+import fp4stack
+from fp4stack import NVFP4Tensor, QuantSpec
+
+
+def randn(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def assert_same(a: NVFP4Tensor, b: NVFP4Tensor):
+    assert torch.equal(a.data, b.data)
+    assert torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+    assert a.amax.dtype == b.amax.dtype == torch.float32
+    assert torch.equal(a.amax.view(torch.int32), b.amax.view(torch.int32))
+    assert a.shape == b.shape and a.spec == b.spec
+
+
+@pytest.mark.parametrize(
+    "shape,opts",
+    [
+        ((16, 64), {}),
+        ((3, 17, 33), {"block": (16, 16), "four_over_six": True}),
+        ((5, 48), {"hadamard": True, "rounding": "stochastic", "seed": 3}),
+        ((7,), {"nan_policy": "propagate"}),
+        ((0, 20), {}),
+    ],
+)
+def test_save_load_round_trip(tmp_path, shape, opts):
+    t = fp4stack.quantize(randn(*shape), **opts)
+    path = tmp_path / "w.safetensors"
+    t.save(path)
+    back = NVFP4Tensor.load(path)
+    assert_same(back, t)
+    assert torch.equal(fp4stack.dequantize(back), fp4stack.dequantize(t))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]  # no temp file left
+
+
+def test_saved_file_is_plain_safetensors(tmp_path):
+    from safetensors import safe_open
+
+    t = fp4stack.quantize(randn(4, 32), block=(16, 16))
+    t.save(tmp_path / "w.safetensors")
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == {"data", "scales", "amax"}
+        meta = f.metadata()
+        assert f.get_tensor("scales").dtype == torch.float8_e4m3fn
+    assert meta["format"] == "nvfp4"
+    assert json.loads(meta["shape"]) == [4, 32]
+    assert json.loads(meta["spec"])["block"] == [16, 16]
+
+
+def test_save_overwrites_atomically(tmp_path):
+    path = tmp_path / "w.safetensors"
+    first = fp4stack.quantize(randn(8, 32, seed=1))
+    second = fp4stack.quantize(randn(8, 32, seed=2))
+    first.save(path)
+    second.save(path)
+    assert_same(NVFP4Tensor.load(path), second)
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
+def test_failed_save_keeps_the_existing_file(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    path = tmp_path / "w.safetensors"
+    old = fp4stack.quantize(randn(8, 32, seed=1))
+    old.save(path)
+    before = path.read_bytes()
+
+    def broken_save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:  # a partial write, then the crash
+            f.write(b"\x00garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken_save_file)
+    with pytest.raises(OSError, match="disk full"):
+        fp4stack.quantize(randn(8, 32, seed=2)).save(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+    monkeypatch.undo()
+    assert_same(NVFP4Tensor.load(path), old)
+
+
+def test_failed_save_leaves_nothing_when_no_file_existed(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def broken_save_file(tensors, filename, metadata=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken_save_file)
+    with pytest.raises(KeyboardInterrupt):
+        fp4stack.quantize(randn(4, 16)).save(tmp_path / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_a_foreign_safetensors_file_is_a_clear_error(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"weight": torch.zeros(4, 4)}, str(path))
+    with pytest.raises(ValueError, match="not an fp4stack NVFP4 tensor file"):
+        NVFP4Tensor.load(path)
+    save_file({"weight": torch.zeros(4, 4)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not an fp4stack NVFP4 tensor file"):
+        NVFP4Tensor.load(path)
+
+
+def good_parts(shape=(4, 20)):
+    t = fp4stack.quantize(randn(*shape))
+    return dict(data=t.data, scales=t.scales, amax=t.amax, shape=t.shape, spec=t.spec)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"data": torch.zeros(4, 10, dtype=torch.uint8)}, r"data must be uint8 of shape \(4, 16\)"),
+        ({"data": torch.zeros(4, 16, dtype=torch.int8)}, "data must be uint8"),
+        ({"scales": torch.zeros(4, 2)}, "scales must be float8_e4m3fn"),
+        ({"scales": torch.zeros(4, 3, dtype=torch.float8_e4m3fn)}, r"shape \(4, 2\)"),
+        ({"amax": torch.tensor([1.0])}, "amax must be a float32 0-d tensor"),
+        ({"amax": torch.tensor(1.0, dtype=torch.float64)}, "amax must be a float32"),
+        ({"shape": ()}, "at least one dim"),
+        ({"shape": (4, 40)}, "data must be uint8 of shape"),
+    ],
+)
+def test_constructor_validation(change, match):
+    with pytest.raises(ValueError, match=match):
+        NVFP4Tensor(**{**good_parts(), **change})
+
+
+def test_constructor_accepts_valid_parts_and_normalizes_shape():
+    parts = good_parts()
+    t = NVFP4Tensor(**{**parts, "shape": [4, 20]})
+    assert t.shape == torch.Size([4, 20])
+    assert t.nbytes == 4 * 16 + 4 * 2 + 4
+    with pytest.raises(AttributeError):
+        t.amax = torch.tensor(2.0)  # frozen
+
+
+def test_to_cpu_and_dequantize_method():
+    t = fp4stack.quantize(randn(6, 48), four_over_six=True)
+    moved = t.to("cpu")
+    assert moved.device == torch.device("cpu")
+    assert_same(moved, t)
+    assert torch.equal(t.dequantize(torch.bfloat16), fp4stack.dequantize(t, torch.bfloat16))
+
+
+def test_decode_scale_is_amax_times_reciprocal():
+    # amax * (1 / 2688), not amax / 2688 (they differ in the last bit for some amax).
+    for spec, denom in ((QuantSpec(), 2688.0), (QuantSpec(four_over_six=True), 1536.0)):
+        t = fp4stack.quantize(randn(4, 32) * 3.3, spec=spec)
+        want = t.amax * torch.tensor(1.0 / denom, dtype=torch.float32)
+        assert torch.equal(t.decode_scale, want)
+    found = False
+    for a in torch.linspace(1.0, 2.0, 2001):
+        if (a * torch.tensor(1 / 2688.0)).item() != (a / 2688.0).item():
+            found = True
+            break
+    assert found, "the two formulas should differ somewhere (else the doc note is moot)"

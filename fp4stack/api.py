@@ -45,6 +45,11 @@ def _impl(device: torch.device):
     return reference
 
 
+def _check_tensor(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+
+
 def make_spec(spec: QuantSpec | None, **options) -> QuantSpec:
     """`spec` if given (then no other option may be set), else a QuantSpec from `options`."""
     if spec is None:
@@ -83,6 +88,7 @@ def quantize(
         spec: a QuantSpec instead of the individual options above.
         name: how error messages refer to `x`.
     """
+    _check_tensor(x, name)
     spec = make_spec(
         spec, block=block, rounding=rounding, hadamard=hadamard,
         four_over_six=four_over_six, nan_policy=nan_policy,
@@ -129,6 +135,7 @@ def fake_quantize(
     name: str = "input",
 ) -> torch.Tensor:
     """`dequantize(quantize(x, ...), x.dtype)` bit for bit, with a straight-through gradient."""
+    _check_tensor(x, name)
     spec = make_spec(
         spec, block=block, rounding=rounding, hadamard=hadamard,
         four_over_six=four_over_six, nan_policy=nan_policy,

@@ -402,6 +402,15 @@ def test_invalid_amax(amax, match):
         fp4stack.quantize(randn(4, 32), amax=amax)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_invalid_amax_tensor_checked_unless_propagating(bad):
+    x = randn(4, 32)
+    with pytest.raises(ValueError, match="amax must be finite and >= 0"):
+        fp4stack.quantize(x, amax=torch.tensor(bad))
+    # "propagate" trusts a tensor amax (reading it would cost a host sync on a GPU).
+    fp4stack.quantize(x, amax=torch.tensor(bad), nan_policy="propagate")
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation of options and inputs.
 # ----------------------------------------------------------------------------------------------

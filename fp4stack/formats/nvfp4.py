@@ -54,16 +54,26 @@ def raise_nonfinite(count: int, x: torch.Tensor, name: str) -> None:
         )
 
 
-def as_amax(amax: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A caller-imposed global amax as a float32 0-d tensor on `device`."""
+def as_amax(amax: float | torch.Tensor, device: torch.device, check: bool = True) -> torch.Tensor:
+    """A caller-imposed global amax as a float32 0-d tensor on `device`.
+
+    A float is always checked. A tensor is checked when `check` is set (nan_policy="raise"),
+    which reads it on the host; under "propagate" it is trusted, so no sync happens.
+    """
     if isinstance(amax, torch.Tensor):
         if amax.numel() != 1:
             raise ValueError(f"amax must be a scalar, got shape {tuple(amax.shape)}")
-        return amax.detach().reshape(()).to(device=device, dtype=torch.float32)
-    amax = float(amax)
+        amax_t = amax.detach().reshape(()).to(device=device, dtype=torch.float32)
+        if check:
+            _check_amax(float(amax_t.item()))
+        return amax_t
+    _check_amax(float(amax))
+    return torch.tensor(float(amax), dtype=torch.float32, device=device)
+
+
+def _check_amax(amax: float) -> None:
     if not (amax >= 0.0 and amax < float("inf")):
         raise ValueError(f"amax must be finite and >= 0, got {amax}")
-    return torch.tensor(amax, dtype=torch.float32, device=device)
 
 
 def global_encode_scale(amax: torch.Tensor, scale_max: float = E4M3_MAX) -> torch.Tensor:
@@ -146,7 +156,7 @@ def quantize(
     if amax is None:
         amax_t = xf.abs().amax() if xf.numel() else _f32(0.0, xf)
     else:
-        amax_t = as_amax(amax, x.device)
+        amax_t = as_amax(amax, x.device, check=spec.nan_policy == "raise")
 
     s_enc = global_encode_scale(amax_t, spec.scale_max)
     s_dec = 1.0 / s_enc

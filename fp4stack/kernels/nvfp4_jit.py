@@ -61,14 +61,14 @@ def sign_bit(y):
 
 @triton.jit
 def _e2m1_round_parts(y):
-    # Round |y| to one mantissa bit by adding c = 2**(E + 22), E = max(exponent of |y|, 0): the
-    # sum's ulp is the E2M1 step of that binade (0.5 below 2, then 1, then 2), and float32
-    # addition rounds to nearest even. Clamping to 8 first keeps c finite and saturates.
-    a = tl.minimum(tl.abs(y), 8.0)
-    e = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)
-    c_bits = e + (22 << 23)
-    s = a + c_bits.to(tl.float32, bitcast=True)
-    return s, c_bits, e
+    # |y| clamped to 6 lies in binade E = 0 (below 2), 1 ([2, 4)) or 2 ([4, 6]), where the E2M1
+    # step is 2**(E - 1). Scaling by m = 2**(1 - E) (exact) and adding 2**23 rounds to an integer
+    # n by float32 round-to-nearest-even: the grid value is n * 2**(E - 1) and the code n + 2E.
+    a = tl.minimum(tl.abs(y), 6.0)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)  # 2**E, as bits
+    m = ((255 << 23) - e).to(tl.float32, bitcast=True)  # 2**(1 - E)
+    t = a * m + 8388608.0  # a * m is exact, so this is one rounding
+    return t, e
 
 
 @triton.jit
@@ -78,9 +78,8 @@ def e2m1_rne(y):
     kernel zeroes such blocks as a whole when it stores them (one test per 8 codes, not per
     element)."""
     y = y + 0.0  # turns -0.0 into +0.0 (code 0: -0.0 < 0 is false) and changes nothing else
-    s, c_bits, e = _e2m1_round_parts(y)
-    # s = c + k * step exactly, so k = bits(s) - bits(c); the code is k + 2E (capped at 7).
-    code = tl.minimum((s.to(tl.int32, bitcast=True) - c_bits) + ((e >> 22) - 254), 7)
+    t, e = _e2m1_round_parts(y)
+    code = t.to(tl.int32, bitcast=True) + ((e >> 22) - (0x4B000000 + 254))  # n + 2E
     return code | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
@@ -89,8 +88,8 @@ def e2m1_rne_value(y):
     """The float32 grid value of e2m1_rne(y); arbitrary for NaN y (its block scale is NaN, so
     the dequantized product is NaN all the same)."""
     y = y + 0.0  # -0.0 -> +0.0, as in e2m1_rne
-    s, c_bits, _ = _e2m1_round_parts(y)
-    r = tl.minimum(s - c_bits.to(tl.float32, bitcast=True), 6.0)
+    t, e = _e2m1_round_parts(y)
+    r = (t - 8388608.0) * (e - (1 << 23)).to(tl.float32, bitcast=True)  # n * 2**(E - 1)
     sign = y.to(tl.int32, bitcast=True) & (-2147483648)
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

@@ -1,0 +1,57 @@
+"""The public API's dispatch between backends, and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4stack
+from fp4stack import api
+
+
+def test_cpu_tensors_use_the_reference(monkeypatch):
+    monkeypatch.delenv("FP4STACK_BACKEND", raising=False)
+    assert api.backend_for(torch.device("cpu")) == "reference"
+
+
+def test_backend_override(monkeypatch):
+    monkeypatch.setenv("FP4STACK_BACKEND", "reference")
+    assert api.backend_for(torch.device("cuda")) == "reference"
+    monkeypatch.setenv("FP4STACK_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="FP4STACK_BACKEND=triton"):
+        api.backend_for(torch.device("cpu"))
+    monkeypatch.setenv("FP4STACK_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FP4STACK_BACKEND must be one of"):
+        fp4stack.quantize(torch.randn(2, 16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_use_triton(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("FP4STACK_BACKEND", raising=False)
+    assert api.backend_for(torch.device("cuda")) == "triton"
+    x = torch.randn(64, 128)
+    got = fp4stack.dequantize(fp4stack.quantize(x.cuda())).cpu()
+    assert torch.equal(got, fp4stack.dequantize(fp4stack.quantize(x)))
+
+
+@pytest.mark.parametrize("fn", [fp4stack.quantize, fp4stack.fake_quantize])
+def test_non_tensor_input_is_a_type_error(fn):
+    with pytest.raises(TypeError, match="weights: expected a torch.Tensor, got list"):
+        fn([1.0, 2.0], name="weights")
+
+
+def test_dequantize_needs_an_nvfp4_tensor():
+    with pytest.raises(TypeError, match="dequantize expects an NVFP4Tensor"):
+        fp4stack.dequantize(torch.zeros(4))
+
+
+def test_columnwise_needs_two_dims():
+    with pytest.raises(ValueError, match="columnwise=True needs >= 2 dims"):
+        fp4stack.quantize(torch.randn(32), columnwise=True)
+
+
+def test_fake_quantize_gradient_flows_to_the_input():
+    x = torch.randn(4, 32, requires_grad=True)
+    fp4stack.fake_quantize(x, rounding="stochastic", seed=0).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))

@@ -13,11 +13,13 @@ from .formats import (
     swizzle_scales,
     unswizzle_scales,
 )
+from .nn import LowRank, QuantLinear, Recipe, ResidualCompensation, recipe
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FP8Tensor", "NVFP4Tensor", "QuantSpec", "dequantize", "dequantize_fp8", "fake_quantize",
+    "FP8Tensor", "LowRank", "NVFP4Tensor", "QuantLinear", "QuantSpec", "Recipe",
+    "ResidualCompensation", "recipe", "dequantize", "dequantize_fp8", "fake_quantize",
     "fake_quantize_fp8", "quantize", "quantize_fp8", "rht", "rht_inverse", "swizzle_scales",
     "unswizzle_scales",
 ]

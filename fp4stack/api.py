@@ -11,6 +11,7 @@ import os
 import torch
 
 from .formats import nvfp4 as reference
+from .formats.fp8 import fake_quantize_fp8
 from .formats.hadamard import rht_inverse
 from .formats.spec import QuantSpec
 from .formats.tensor import NVFP4Tensor
@@ -111,6 +112,8 @@ class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, amax, seed, name):
         ctx.hadamard = spec.hadamard
+        if spec.format == "fp8":
+            return fake_quantize_fp8(x, spec.fp8_granularity)
         return _impl(x.device).fake_quantize(x, spec, amax=amax, seed=seed, name=name)
 
     @staticmethod
@@ -134,10 +137,15 @@ def fake_quantize(
     spec: QuantSpec | None = None,
     name: str = "input",
 ) -> torch.Tensor:
-    """`dequantize(quantize(x, ...), x.dtype)` bit for bit, with a straight-through gradient."""
+    """`dequantize(quantize(x, ...), x.dtype)` bit for bit, with a straight-through gradient.
+
+    A `spec` of format "fp8" gives the FP8 baseline's values; "none" returns `x` itself.
+    """
     _check_tensor(x, name)
     spec = make_spec(
         spec, block=block, rounding=rounding, hadamard=hadamard,
         four_over_six=four_over_six, nan_policy=nan_policy,
     )
+    if spec.format == "none":
+        return x
     return _FakeQuantize.apply(x, spec, amax, seed, name)

@@ -25,6 +25,11 @@ def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
 
 def check_input(x: torch.Tensor, spec: QuantSpec, name: str) -> None:
     """Shape and dtype checks shared by every backend."""
+    if spec.format != "nvfp4":
+        raise ValueError(
+            f"{name}: quantize produces NVFP4, but the spec has format={spec.format!r}; use "
+            "fake_quantize (which handles every format) or quantize_fp8"
+        )
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:

@@ -1,4 +1,4 @@
-"""QuantSpec: one named way of quantizing one tensor to NVFP4.
+"""QuantSpec: one named way of quantizing one tensor (NVFP4, an FP8 baseline, or not at all).
 
 Every entry point (reference, Triton kernels, layers, recipes) takes its options from a QuantSpec,
 so the options are validated in one place and a recipe can be written down as data.
@@ -11,17 +11,23 @@ from typing import Literal
 
 Rounding = Literal["rne", "stochastic"]
 NanPolicy = Literal["raise", "propagate"]
+Format = Literal["nvfp4", "fp8", "none"]
 
 _ROUNDINGS = ("rne", "stochastic")
 _BLOCKS = ((1, 16), (16, 16))
 _NAN_POLICIES = ("raise", "propagate")
+_FORMATS = ("nvfp4", "fp8", "none")
+# FP8 block shapes, -1 meaning a whole dim: per-tensor, per-row, 1x128 blocks.
+_FP8_BLOCKS = {(-1, -1): "tensor", (1, -1): "row", (1, 128): "block128"}
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How to quantize one tensor to NVFP4.
+    """How to quantize one tensor.
 
-    block:         (1, 16) blocks along the last dim, or (16, 16) tiles over the last two dims.
+    format:        "nvfp4" (the default), "fp8" (E4M3 baseline) or "none" (left as it is).
+    block:         NVFP4: (1, 16) blocks along the last dim, or (16, 16) tiles over the last two
+                   dims. FP8: (-1, -1) per tensor, (1, -1) per row, (1, 128) blocks.
     rounding:      "rne" (round to nearest even) or "stochastic" (unbiased, reproducible by seed).
     hadamard:      apply the 16-point random Hadamard transform to each block before quantizing.
     four_over_six: per block, also try mapping the block max to 4 and keep the lower-MSE choice.
@@ -33,10 +39,15 @@ class QuantSpec:
     hadamard: bool = False
     four_over_six: bool = False
     nan_policy: NanPolicy = "raise"
+    format: Format = "nvfp4"
 
     def __post_init__(self) -> None:
         block = tuple(self.block) if isinstance(self.block, (list, tuple)) else self.block
-        if block not in _BLOCKS:
+        if self.format not in _FORMATS:
+            raise ValueError(f"QuantSpec.format must be one of {_FORMATS}, got {self.format!r}")
+        if self.format == "fp8":
+            self._check_fp8(block)
+        elif self.format == "nvfp4" and block not in _BLOCKS:
             raise ValueError(
                 f"QuantSpec.block must be (1, 16) or (16, 16), got {self.block!r}; "
                 "use (16, 16) for 2D weight tiles and (1, 16) otherwise"
@@ -58,6 +69,35 @@ class QuantSpec:
                 "QuantSpec.hadamard=True needs block=(1, 16): the transform mixes the 16 elements "
                 "of a row block, which would break the shared scale of a 16x16 tile"
             )
+
+    def _check_fp8(self, block) -> None:
+        if block not in _FP8_BLOCKS:
+            raise ValueError(
+                f"QuantSpec.block for format='fp8' must be one of {list(_FP8_BLOCKS)} "
+                f"(per tensor, per row, 1x128), got {self.block!r}; QuantSpec.fp8() builds one"
+            )
+        if self.rounding != "rne" or self.hadamard or self.four_over_six:
+            raise ValueError(
+                "QuantSpec with format='fp8' supports rounding='rne' only, without hadamard or "
+                "four_over_six"
+            )
+
+    @classmethod
+    def fp8(cls, granularity: str = "tensor") -> QuantSpec:
+        """The FP8 E4M3 baseline with "tensor", "row" or "block128" scales."""
+        blocks = {v: k for k, v in _FP8_BLOCKS.items()}
+        if granularity not in blocks:
+            raise ValueError(f"granularity must be one of {list(blocks)}, got {granularity!r}")
+        return cls(format="fp8", block=blocks[granularity])
+
+    @classmethod
+    def none(cls) -> QuantSpec:
+        """Leave the tensor unquantized."""
+        return cls(format="none")
+
+    @property
+    def fp8_granularity(self) -> str:
+        return _FP8_BLOCKS[self.block]
 
     @property
     def is_2d(self) -> bool:

@@ -1,0 +1,27 @@
+"""QUADS activation residual compensation: correct the channels with the largest residual energy.
+
+    y = Q(x) Q(W)ᵀ + (x - Q(x))[:, C] Q(W)[:, C]ᵀ
+
+With C = every channel this is x Q(W)ᵀ, the trainer's (weight-only quantized) forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def channel_energy(residual: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """Per input channel c: sum_t residual[t, c]^2 * ||Q(W)[:, c]||^2 (its share of output error
+    energy, ignoring cross terms)."""
+    return residual.pow(2).sum(0) * qweight.pow(2).sum(0)
+
+
+def top_channels(residual: torch.Tensor, qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """The k channels of highest residual energy in this batch (sorted indices)."""
+    energy = channel_energy(residual.detach().float(), qweight.detach().float())
+    return torch.topk(energy, k).indices.sort().values
+
+
+def correction(residual: torch.Tensor, qweight: torch.Tensor, channels: torch.Tensor):
+    """(x - Q(x))[:, C] Q(W)[:, C]ᵀ."""
+    return residual[:, channels] @ qweight[:, channels].t()

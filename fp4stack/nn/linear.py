@@ -1,0 +1,223 @@
+"""QuantLinear: a linear layer whose three GEMMs quantize their operands as a Recipe says.
+
+On hardware without FP4 tensor cores the GEMMs are emulated: each operand is quantized and
+dequantized (bit-exact NVFP4 values) and multiplied in the input's dtype. Operands the backward
+needs are quantized once, in the forward, from the unquantized tensors, and saved; the backward
+never re-quantizes a quantized tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..api import dequantize, fake_quantize, quantize
+from ..formats.spec import QuantSpec
+from ..formats.tensor import NVFP4Tensor
+from . import compensation as rc
+from .lowrank import lowrank_factors
+from .recipe import Recipe
+from .recipe import recipe as get_recipe
+
+_BLOCK = 16
+
+
+def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
+                     columnwise: bool = False) -> torch.Tensor:
+    """`t`'s values after quantization by `spec` along its last dim, in t's dtype.
+
+    columnwise=True quantizes along dim 0 instead (for backward GEMMs) and returns [T', C] with
+    the token dim zero-padded to whole blocks when the spec uses the Hadamard transform (zeros add
+    nothing to a product; the transformed domain is kept, as both wgrad operands carry it).
+    """
+    if spec is None or spec.format == "none":
+        return t
+    if not columnwise:
+        return fake_quantize(t, spec=spec, amax=amax)
+    tt = t.t()
+    pad = -tt.shape[-1] % _BLOCK if spec.hadamard else 0
+    if pad:
+        tt = F.pad(tt, (0, pad))
+    return fake_quantize(tt.contiguous(), spec=spec, amax=amax).t()
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    """y = Q(x) Q(W)ᵀ + b; dx = Q(dy) Q(W); dW = Q(dyᵀ) Q(xᵀ)ᵀ, each Q from the recipe."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, packed_w, recipe: Recipe, x_amax, w_amax):
+        qw = packed_w if packed_w is not None else quantize_operand(weight, recipe.w, w_amax)
+        qx = quantize_operand(x, recipe.x, x_amax)
+        y = qx @ qw.t()
+        if bias is not None:
+            y = y + bias
+        weight_grad = weight is not None and ctx.needs_input_grad[1]
+        wd = qw if recipe.w_dgrad is None else quantize_operand(weight, recipe.w_dgrad,
+                                                                columnwise=True)
+        xw = None
+        if weight_grad:
+            xw = qx if recipe.x_wgrad is None else quantize_operand(x, recipe.x_wgrad,
+                                                                   columnwise=True)
+        ctx.recipe, ctx.has_bias, ctx.weight_grad = recipe, bias is not None, weight_grad
+        ctx.save_for_backward(wd, xw)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        wd, xw = ctx.saved_tensors
+        dx = quantize_operand(dy, ctx.recipe.dy) @ wd
+        dw = None
+        if ctx.weight_grad:
+            dyw = quantize_operand(dy, ctx.recipe.dy_wgrad, columnwise=True)
+            dw = dyw.t() @ xw
+        db = dy.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None, None, None, None
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for nn.Linear whose GEMMs follow a Recipe.
+
+    weight_storage="master": the weight is a trainable Parameter, quantized on every forward (the
+    trainer's view). "packed": it is held as an NVFP4Tensor (buffers weight_data, weight_scales,
+    weight_global_amax) and dequantized on the fly (the rollout's view); `pack()` converts.
+    `weight_amax` imposes a global amax shared with sibling layers (fused q/k/v, gate/up).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: Recipe | str = "nvfp4", device=None, dtype=None) -> None:
+        super().__init__()
+        linear = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup(linear.weight, linear.bias, get_recipe(recipe))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str) -> QuantLinear:
+        """A QuantLinear sharing `linear`'s parameters; packed at once for "packed" recipes."""
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q._setup(linear.weight, linear.bias, get_recipe(recipe))
+        if q.recipe.weight_storage == "packed":
+            q.pack()
+        return q
+
+    def _setup(self, weight: nn.Parameter, bias: nn.Parameter | None, recipe: Recipe) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.recipe = recipe
+        self.weight, self.bias = weight, bias
+        self.packed_spec: QuantSpec | None = None
+        self.register_buffer("weight_amax", None)
+        self.register_buffer("x_amax", None)  # calibrated static activation amax
+        self.register_buffer("rc_channels", None)  # calibrated compensation channels
+        self._calibration: dict | None = None
+        self._steps = 0
+        if recipe.lowrank is not None:
+            a, b = lowrank_factors(weight, recipe.w, recipe.lowrank.rank)
+            if recipe.lowrank.trainable:
+                self.lowrank_a, self.lowrank_b = nn.Parameter(a), nn.Parameter(b)
+            else:
+                self.register_buffer("lowrank_a", a)
+                self.register_buffer("lowrank_b", b)
+
+    # ---- weights -------------------------------------------------------------------------
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Replace the master weight by its packed NVFP4 form (inference); frees the master."""
+        if self.weight is None:
+            return
+        t = quantize(self.weight.detach(), spec=self.recipe.w, amax=self.weight_amax)
+        self.register_buffer("weight_data", t.data)
+        self.register_buffer("weight_scales", t.scales)
+        self.register_buffer("weight_global_amax", t.amax)
+        self.packed_spec = t.spec
+        del self.weight
+        self.weight = None
+
+    @property
+    def packed_weight(self) -> NVFP4Tensor | None:
+        """The NVFP4Tensor of a packed layer (None while it holds a master weight)."""
+        if self.weight is not None:
+            return None
+        return NVFP4Tensor(self.weight_data, self.weight_scales, self.weight_global_amax,
+                           torch.Size((self.out_features, self.in_features)), self.packed_spec)
+
+    def quantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Q(W): the exact values the forward multiplies by."""
+        if self.weight is None:
+            return dequantize(self.packed_weight, dtype or torch.float32)
+        qw = quantize_operand(self.weight.detach(), self.recipe.w, self.weight_amax)
+        return qw.to(dtype or self.weight.dtype)
+
+    @torch.no_grad()
+    def refresh_lowrank(self) -> None:
+        """Recompute the low-rank factors from the current W - Q(W)."""
+        a, b = lowrank_factors(self.weight, self.recipe.w, self.recipe.lowrank.rank)
+        self.lowrank_a.copy_(a)
+        self.lowrank_b.copy_(b)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = self.recipe
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        packed = dequantize(self.packed_weight, x.dtype) if self.weight is None else None
+        x_amax = self.x_amax if recipe.activation_amax == "static" else None
+        if self._calibration is not None:
+            self._calibration["amax"] = torch.maximum(self._calibration["amax"],
+                                                      x2.detach().abs().amax().float().cpu())
+        if recipe.compensation is not None:
+            y = self._compensated(x2, packed, x_amax)
+        elif recipe.quantizes or packed is not None:
+            y = _QuantLinearFn.apply(x2, self.weight, self.bias, packed, recipe, x_amax,
+                                     self.weight_amax)
+        else:
+            y = F.linear(x2, self.weight, self.bias)
+        if recipe.lowrank is not None:
+            a, b = self.lowrank_a.to(x.dtype), self.lowrank_b.to(x.dtype)
+            y = y + (x2 @ a.t()) @ b.t()
+            self._maybe_refresh()
+        return y.reshape(*lead, self.out_features)
+
+    def _compensated(self, x2, packed, x_amax) -> torch.Tensor:
+        # The rollout's forward: Q(x) Q(W)ᵀ plus the correction of the chosen channels.
+        qw = packed if packed is not None else quantize_operand(self.weight, self.recipe.w,
+                                                                self.weight_amax)
+        qx = quantize_operand(x2, self.recipe.x, x_amax)
+        residual = x2 - qx
+        if self._calibration is not None:
+            self._calibration["energy"] += rc.channel_energy(residual.detach().float(),
+                                                             qw.detach().float()).cpu()
+        cfg = self.recipe.compensation
+        channels = self.rc_channels if cfg.mode == "static" else None
+        if channels is None:
+            channels = rc.top_channels(residual, qw, cfg.count(self.in_features))
+        y = qx @ qw.t() + rc.correction(residual, qw, channels)
+        return y + self.bias if self.bias is not None else y
+
+    def _maybe_refresh(self) -> None:
+        lr = self.recipe.lowrank
+        if self.training and not lr.trainable and lr.refresh_every:
+            self._steps += 1
+            if self._steps % lr.refresh_every == 0:
+                self.refresh_lowrank()
+
+    # ---- calibration ---------------------------------------------------------------------
+    def start_calibration(self) -> None:
+        """Record activation amax and residual energy over the following forwards."""
+        self._calibration = {"amax": torch.zeros(()), "energy": torch.zeros(self.in_features)}
+
+    def finish_calibration(self) -> None:
+        """Fix the static activation amax and (static mode) the compensation channels."""
+        if self._calibration is None:
+            raise RuntimeError("finish_calibration() called without start_calibration()")
+        dev = self.weight.device if self.weight is not None else self.weight_data.device
+        self.x_amax = self._calibration["amax"].to(dev)
+        if self.recipe.compensation is not None:
+            k = self.recipe.compensation.count(self.in_features)
+            energy = self._calibration["energy"]
+            self.rc_channels = torch.topk(energy, k).indices.sort().values.to(dev)
+        self._calibration = None
+
+    def extra_repr(self) -> str:
+        packed = ", packed" if self.weight is None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, recipe={self.recipe.name}{packed}")

@@ -1,0 +1,168 @@
+"""Recipe: which QuantSpec each GEMM operand of a linear layer gets. Data, not code paths.
+
+For y = x Wᵀ (x [T, K], W [N, K]) a layer runs three GEMMs:
+    fprop  y  = Q(x) Q(W)ᵀ           x and W quantized along K
+    dgrad  dx = Q(dy) Q(W)           dy along N, W along N (columnwise)
+    wgrad  dW = Q(dyᵀ) Q(xᵀ)ᵀ        dy and x along T (columnwise)
+A backward operand of `None` reuses the forward's quantized tensor (exact for 16x16 weight tiles,
+and what a fake-quantized trainer's autograd does); `QuantSpec.none()` uses the unquantized one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ..formats.spec import QuantSpec
+
+WeightStorage = Literal["master", "packed"]
+
+
+@dataclass(frozen=True)
+class ResidualCompensation:
+    """QUADS activation residual compensation: y += (x - Q(x))[:, C] Q(W)[:, C]ᵀ.
+
+    k: channels corrected, a count (int >= 1) or a fraction of K (float in (0, 1]).
+    mode: "dynamic" picks C per batch by residual energy; "static" uses channels calibrated
+          per layer (`QuantLinear.calibrate`), falling back to dynamic until calibrated.
+    """
+
+    k: int | float = 0.05
+    mode: Literal["dynamic", "static"] = "dynamic"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not (
+            (isinstance(self.k, int) and self.k >= 1)
+            or (isinstance(self.k, float) and 0.0 < self.k <= 1.0)
+        ):
+            raise ValueError(
+                f"ResidualCompensation.k must be an int >= 1 or a float in (0, 1], got {self.k!r}"
+            )
+        if self.mode not in ("dynamic", "static"):
+            raise ValueError(f"ResidualCompensation.mode must be 'dynamic' or 'static', "
+                             f"got {self.mode!r}")
+
+    def count(self, channels: int) -> int:
+        if isinstance(self.k, int):
+            return min(self.k, channels)
+        return max(1, min(channels, round(self.k * channels)))
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """Full-Stack FP4 low-rank branch: y += (x Aᵀ) Bᵀ, A and B of rank r from a truncated SVD of
+    W - Q(W), refreshed every `refresh_every` training forwards (0: never), or trained."""
+
+    rank: int = 16
+    refresh_every: int = 100
+    trainable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LowRank.rank must be >= 1, got {self.rank}")
+        if self.refresh_every < 0:
+            raise ValueError(f"LowRank.refresh_every must be >= 0, got {self.refresh_every}")
+
+
+_NONE = QuantSpec.none()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The QuantSpec of every GEMM operand of a linear layer, and the layer-level options.
+
+    keep_first_blocks / keep_last_blocks: transformer blocks left in high precision (applied by
+    `quantize_model`). activation_amax: "dynamic" (each tensor's own) or "static" (calibrated).
+    """
+
+    name: str
+    x: QuantSpec = _NONE
+    w: QuantSpec = _NONE
+    dy: QuantSpec = _NONE
+    w_dgrad: QuantSpec | None = None
+    x_wgrad: QuantSpec | None = None
+    dy_wgrad: QuantSpec = _NONE
+    weight_storage: WeightStorage = "master"
+    activation_amax: Literal["dynamic", "static"] = "dynamic"
+    keep_first_blocks: int = 0
+    keep_last_blocks: int = 0
+    compensation: ResidualCompensation | None = None
+    lowrank: LowRank | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_storage not in ("master", "packed"):
+            raise ValueError(f"Recipe.weight_storage must be 'master' or 'packed', "
+                             f"got {self.weight_storage!r}")
+        if self.weight_storage == "packed" and self.w.format != "nvfp4":
+            raise ValueError("Recipe.weight_storage='packed' needs an NVFP4 weight spec (Recipe.w)")
+        if self.activation_amax not in ("dynamic", "static"):
+            raise ValueError(f"Recipe.activation_amax must be 'dynamic' or 'static', "
+                             f"got {self.activation_amax!r}")
+        if self.compensation is not None and self.x.format == "none":
+            raise ValueError("Recipe.compensation corrects activation quantization error, but "
+                             "Recipe.x is not quantized")
+        for name in ("x", "w", "dy", "w_dgrad"):
+            spec = getattr(self, name)
+            if spec is not None and spec.hadamard:
+                raise ValueError(f"Recipe.{name}: the Hadamard transform belongs on the wgrad "
+                                 "operands (x_wgrad and dy_wgrad), where it cancels")
+        had = [s is not None and s.hadamard for s in (self.x_wgrad, self.dy_wgrad)]
+        if had[0] != had[1]:
+            raise ValueError("Recipe.x_wgrad and Recipe.dy_wgrad must both use hadamard or "
+                             "neither: the transform cancels only between two operands")
+        if self.keep_first_blocks < 0 or self.keep_last_blocks < 0:
+            raise ValueError("Recipe.keep_first_blocks and keep_last_blocks must be >= 0")
+
+    @property
+    def quantizes(self) -> bool:
+        ops = (self.x, self.w, self.dy, self.w_dgrad, self.x_wgrad, self.dy_wgrad)
+        return any(s is not None and s.format != "none" for s in ops)
+
+    def with_(self, **changes) -> Recipe:
+        """A copy with some fields changed (e.g. recipe("w4a4-rc").with_(compensation=...))."""
+        return replace(self, **changes)
+
+
+def _nvfp4(**kw) -> QuantSpec:
+    # Layers run on hot paths: no per-call NaN check (a host sync); training checks the loss.
+    return QuantSpec(nan_policy="propagate", **kw)
+
+
+def _presets() -> dict[str, Recipe]:
+    rne = _nvfp4()
+    fp8 = QuantSpec.fp8("block128")
+    nvfp4 = Recipe("nvfp4", x=rne, w=rne, dy=rne, w_dgrad=rne, x_wgrad=rne, dy_wgrad=rne)
+    w4a4 = Recipe("w4a4", x=rne, w=rne, weight_storage="packed")
+    return {
+        "bf16": Recipe("bf16"),
+        "fp8": Recipe("fp8", x=fp8, w=fp8, dy=fp8, w_dgrad=fp8, x_wgrad=fp8, dy_wgrad=fp8),
+        "nvfp4": nvfp4,
+        "nvfp4-nvidia": Recipe(
+            "nvfp4-nvidia",
+            x=rne,
+            w=_nvfp4(block=(16, 16)),
+            dy=_nvfp4(rounding="stochastic"),
+            w_dgrad=None,  # 16x16 tiles: Q(W)ᵀ is Q(Wᵀ), so the forward's weight is reused
+            x_wgrad=_nvfp4(hadamard=True),
+            dy_wgrad=_nvfp4(hadamard=True, rounding="stochastic"),
+            keep_first_blocks=1,
+            keep_last_blocks=1,
+        ),
+        "lowrank": nvfp4.with_(name="lowrank", lowrank=LowRank()),
+        "qat-w": Recipe("qat-w", w=rne),
+        "w4a4": w4a4,
+        "w4a4-rc": w4a4.with_(name="w4a4-rc", compensation=ResidualCompensation()),
+    }
+
+
+PRESETS: dict[str, Recipe] = _presets()
+
+
+def recipe(name: str) -> Recipe:
+    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, w4a4, w4a4-rc."""
+    if isinstance(name, Recipe):
+        return name
+    if name not in PRESETS:
+        raise ValueError(f"unknown recipe {name!r}; the presets are {sorted(PRESETS)}, or build a "
+                         "Recipe from QuantSpecs")
+    return PRESETS[name]

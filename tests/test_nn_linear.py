@@ -1,0 +1,250 @@
+"""QuantLinear against a float64 reference assembled from fake_quantize, for every recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4stack
+from fp4stack import QuantLinear, QuantSpec, Recipe, ResidualCompensation, recipe
+from fp4stack.nn import PRESETS
+from fp4stack.nn.compensation import channel_energy
+
+TRAINING = [n for n, r in PRESETS.items() if r.weight_storage == "master"]
+
+
+def rne_only(r: Recipe) -> Recipe:
+    """The recipe with stochastic rounding replaced by RNE (deterministic, for exact checks)."""
+    fix = {}
+    for f in ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad"):
+        s = getattr(r, f)
+        if s is not None and s.rounding == "stochastic":
+            fix[f] = dataclasses.replace(s, rounding="rne")
+    return r.with_(**fix)
+
+
+def fq(t, spec, columnwise=False):
+    """Reference operand: fake_quantize along the last dim, or of tᵀ (token dim padded to 16
+    for Hadamard specs), returned as float64."""
+    if spec is None or spec.format == "none":
+        return t.double()
+    if not columnwise:
+        return fp4stack.fake_quantize(t, spec=spec).double()
+    tt = t.t()
+    if spec.hadamard:
+        tt = F.pad(tt, (0, -tt.shape[1] % 16))
+    return fp4stack.fake_quantize(tt.contiguous(), spec=spec).double().t()
+
+
+def reference(x, w, b, dy, r: Recipe):
+    qx, qw = fq(x, r.x), fq(w, r.w)
+    y = qx @ qw.t() + b.double()
+    wd = qw if r.w_dgrad is None else fq(w, r.w_dgrad, columnwise=True)
+    dx = fq(dy, r.dy) @ wd
+    xw = qx if r.x_wgrad is None else fq(x, r.x_wgrad, columnwise=True)
+    dw = fq(dy, r.dy_wgrad, columnwise=True).t() @ xw
+    return y, dx, dw
+
+
+def data(tokens=40, k=64, n=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=g)
+    x[:, 3] *= 20  # an outlier channel
+    return x, torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g), \
+        torch.randn(tokens, n, generator=g)
+
+
+@pytest.mark.parametrize("name", TRAINING)
+@pytest.mark.parametrize("tokens", [32, 40])
+def test_forward_and_backward_match_float64_reference(name, tokens):
+    r = rne_only(recipe(name)).with_(lowrank=None)
+    x, w, b, dy = data(tokens)
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), r)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    xg = x.clone().requires_grad_(True)
+    y = layer(xg)
+    y.backward(dy)
+    ry, rdx, rdw = reference(x, w, b, dy, r)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), ry, **tol)
+    torch.testing.assert_close(xg.grad.double(), rdx, **tol)
+    torch.testing.assert_close(layer.weight.grad.double(), rdw, **tol)
+    torch.testing.assert_close(layer.bias.grad, dy.sum(0))
+
+
+def test_quantized_recipes_change_the_numbers():
+    # The reference check above could pass with quantization skipped by mistake: it must not.
+    x, w, b, dy = data()
+    _, _, plain = reference(x, w, b, dy, recipe("bf16"))
+    for name in ("fp8", "nvfp4", "nvfp4-nvidia"):
+        _, _, dw = reference(x, w, b, dy, rne_only(recipe(name)))
+        assert not torch.allclose(dw, plain, rtol=1e-4, atol=1e-4), name
+
+
+def test_stochastic_recipe_repeats_under_a_seed():
+    x, w, b, dy = data()
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), "nvfp4-nvidia")
+        layer(x).backward(dy)
+        grads.append(layer.weight.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_qat_w_weights_are_the_rollout_weights_bit_for_bit():
+    lin = torch.nn.Linear(64, 48)
+    trainer = QuantLinear.from_linear(lin, "qat-w")
+    rollout = QuantLinear.from_linear(torch.nn.Linear(64, 48), "w4a4")
+    rollout_src = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        rollout_src.weight.copy_(lin.weight)
+    rollout = QuantLinear.from_linear(rollout_src, "w4a4")
+    assert rollout.weight is None and rollout.packed_weight is not None
+    assert torch.equal(trainer.quantized_weight().view(torch.int32),
+                       rollout.quantized_weight().view(torch.int32))
+
+
+def test_qat_w_gradient_is_straight_through():
+    x, w, b, dy = data()
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), "qat-w")
+    xg = x.clone().requires_grad_(True)
+    layer(xg).backward(dy)
+    # Activations unquantized: dW = dyᵀ x exactly as for a plain layer (the quantizer is the
+    # identity for the gradient), and dx uses the quantized weight the forward used.
+    torch.testing.assert_close(layer.weight.grad, dy.t() @ x)
+    torch.testing.assert_close(xg.grad, dy @ layer.quantized_weight())
+
+
+def rc_layer(k) -> tuple[QuantLinear, torch.Tensor]:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 48)
+    layer = QuantLinear.from_linear(lin, recipe("w4a4-rc").with_(
+        compensation=ResidualCompensation(k=k)))
+    return layer, lin
+
+
+def test_compensating_every_channel_gives_the_trainer_forward():
+    x, *_ = data()
+    layer, _ = rc_layer(1.0)
+    target = x @ layer.quantized_weight().t() + layer.bias
+    torch.testing.assert_close(layer(x), target, rtol=1e-5, atol=1e-5)
+
+
+def test_compensation_error_falls_monotonically_with_k():
+    x, *_ = data()
+    errors = []
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        layer, _ = rc_layer(k)
+        target = x @ layer.quantized_weight().t() + layer.bias
+        errors.append(float((layer(x) - target).detach().norm()))
+    assert all(a > b for a, b in zip(errors[:-1], errors[1:], strict=True)), errors
+    assert errors[-1] < 1e-4 * errors[0]
+
+
+def test_energy_selection_beats_random_channels():
+    x, *_ = data()
+    layer, _ = rc_layer(8)
+    target = x @ layer.quantized_weight().t() + layer.bias
+    chosen = float((layer(x) - target).detach().norm())
+    qx = fp4stack.fake_quantize(x, spec=layer.recipe.x)
+    qw = layer.quantized_weight()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        c = torch.randperm(64, generator=g)[:8]
+        y = qx @ qw.t() + (x - qx)[:, c] @ qw[:, c].t() + layer.bias
+        assert chosen < float((y - target).norm())
+    # And it concentrates on the block holding the outlier channel (whose scale it sets).
+    energy = channel_energy(x - qx, qw)
+    assert int(energy.argmax()) < 16
+
+
+def test_static_calibration_fixes_channels_and_amax():
+    x, *_ = data()
+    layer, _ = rc_layer(4)
+    layer.recipe = layer.recipe.with_(
+        compensation=ResidualCompensation(k=4, mode="static"), activation_amax="static")
+    layer.start_calibration()
+    layer(x)
+    layer.finish_calibration()
+    assert layer.rc_channels.shape == (4,)
+    assert max(layer.rc_channels.tolist()) < 16  # the outlier's block carries the residual
+    assert float(layer.x_amax) == float(x.abs().max())
+    # Static channels and amax are used from now on: same output on the calibration batch as a
+    # recipe that passes the same amax explicitly.
+    qx = fp4stack.fake_quantize(x, spec=layer.recipe.x, amax=layer.x_amax)
+    qw = layer.quantized_weight()
+    c = layer.rc_channels
+    want = qx @ qw.t() + (x - qx)[:, c] @ qw[:, c].t() + layer.bias
+    torch.testing.assert_close(layer(x), want)
+
+
+def test_lowrank_branch_reduces_weight_error_and_is_added():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    layer = QuantLinear.from_linear(lin, "lowrank")
+    a, b = layer.lowrank_a, layer.lowrank_b
+    err = lin.weight.detach() - layer.quantized_weight()
+    assert (err - b @ a).norm() < 0.8 * err.norm()
+    x, *_ = data()
+    plain = QuantLinear.from_linear(lin, "nvfp4")
+    torch.testing.assert_close(layer(x), plain(x) + (x @ a.t()) @ b.t())
+
+
+def test_lowrank_refresh_follows_the_weight():
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), recipe("lowrank").with_(
+        lowrank=fp4stack.LowRank(rank=4, refresh_every=2)))
+    before = layer.lowrank_a.clone()
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+    x, *_ = data()
+    layer.train()
+    layer(x)
+    assert torch.equal(layer.lowrank_a, before)
+    layer(x)
+    assert not torch.equal(layer.lowrank_a, before)
+
+
+def test_packed_layer_holds_no_dequantized_copy():
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), "w4a4")
+    names = dict(layer.named_buffers())
+    assert layer.weight is None and "weight" not in dict(layer.named_parameters())
+    assert names["weight_data"].dtype == torch.uint8 and names["weight_data"].shape == (48, 32)
+    assert names["weight_scales"].dtype == torch.float8_e4m3fn
+
+
+def test_shared_weight_amax_is_used():
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), "qat-w")
+    shared = layer.weight.detach().abs().max() * 4
+    layer.weight_amax = shared
+    want = fp4stack.fake_quantize(layer.weight.detach(), spec=layer.recipe.w, amax=shared)
+    assert torch.equal(layer.quantized_weight(), want)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(x=QuantSpec(hadamard=True)), "belongs on the wgrad operands"),
+        (dict(x_wgrad=QuantSpec(hadamard=True)), "both use hadamard"),
+        (dict(weight_storage="packed"), "needs an NVFP4 weight spec"),
+        (dict(compensation=ResidualCompensation()), "Recipe.x is not quantized"),
+        (dict(keep_last_blocks=-1), "must be >= 0"),
+    ],
+)
+def test_recipe_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Recipe("custom", **kwargs)
+
+
+def test_unknown_recipe_and_bad_compensation():
+    with pytest.raises(ValueError, match="unknown recipe 'nvfp5'"):
+        recipe("nvfp5")
+    with pytest.raises(ValueError, match="ResidualCompensation.k"):
+        ResidualCompensation(k=0)
+    with pytest.raises(ValueError, match="ResidualCompensation.k"):
+        ResidualCompensation(k=1.5)

@@ -1,6 +1,7 @@
 """fp4stack: stable, fast NVFP4 training of large language models."""
 
 from .api import dequantize, fake_quantize, quantize
+from .convert import ConversionSummary, quantize_model
 from .formats import (
     FP8Tensor,
     NVFP4Tensor,
@@ -18,8 +19,8 @@ from .nn import LowRank, QuantLinear, Recipe, ResidualCompensation, recipe
 __version__ = "0.1.0"
 
 __all__ = [
-    "FP8Tensor", "LowRank", "NVFP4Tensor", "QuantLinear", "QuantSpec", "Recipe",
-    "ResidualCompensation", "recipe", "dequantize", "dequantize_fp8", "fake_quantize",
-    "fake_quantize_fp8", "quantize", "quantize_fp8", "rht", "rht_inverse", "swizzle_scales",
-    "unswizzle_scales",
+    "ConversionSummary", "FP8Tensor", "LowRank", "NVFP4Tensor", "QuantLinear", "QuantSpec",
+    "Recipe", "ResidualCompensation", "dequantize", "dequantize_fp8", "fake_quantize",
+    "fake_quantize_fp8", "quantize", "quantize_fp8", "quantize_model", "recipe", "rht",
+    "rht_inverse", "swizzle_scales", "unswizzle_scales",
 ]

@@ -75,6 +75,35 @@ class _QuantLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+def quant_linear(x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 recipe: Recipe, *, packed: torch.Tensor | None = None, x_amax=None, w_amax=None,
+                 rc_channels: torch.Tensor | None = None, calibration: dict | None = None):
+    """y = x2 Wᵀ + b for x2 [T, K] with the GEMMs of `recipe`; `packed` is the dequantized
+    packed weight of an inference layer (then `weight` is None)."""
+    if recipe.compensation is not None:
+        return _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels,
+                            calibration)
+    if recipe.quantizes or packed is not None:
+        return _QuantLinearFn.apply(x2, weight, bias, packed, recipe, x_amax, w_amax)
+    return F.linear(x2, weight, bias)
+
+
+def _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels, calibration):
+    # The rollout's forward: Q(x) Q(W)ᵀ plus the correction of the chosen channels.
+    qw = packed if packed is not None else quantize_operand(weight, recipe.w, w_amax)
+    qx = quantize_operand(x2, recipe.x, x_amax)
+    residual = x2 - qx
+    if calibration is not None:
+        calibration["energy"] += rc.channel_energy(residual.detach().float(),
+                                                   qw.detach().float()).cpu()
+    cfg = recipe.compensation
+    channels = rc_channels if cfg.mode == "static" else None
+    if channels is None:
+        channels = rc.top_channels(residual, qw, cfg.count(x2.shape[-1]))
+    y = qx @ qw.t() + rc.correction(residual, qw, channels)
+    return y + bias if bias is not None else y
+
+
 class QuantLinear(nn.Module):
     """Drop-in for nn.Linear whose GEMMs follow a Recipe.
 
@@ -106,6 +135,7 @@ class QuantLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.packed_spec: QuantSpec | None = None
         self.register_buffer("weight_amax", None)
+        self.amax_group: list[QuantLinear] | None = None  # siblings sharing one global amax
         self.register_buffer("x_amax", None)  # calibrated static activation amax
         self.register_buffer("rc_channels", None)  # calibrated compensation channels
         self._calibration: dict | None = None
@@ -119,12 +149,20 @@ class QuantLinear(nn.Module):
                 self.register_buffer("lowrank_b", b)
 
     # ---- weights -------------------------------------------------------------------------
+    def shared_weight_amax(self) -> torch.Tensor | None:
+        """The global amax this layer's weight is quantized with, when it is imposed: the max over
+        its amax group's current master weights (fused q/k/v, gate/up), else `weight_amax`."""
+        if self.amax_group is not None and self.weight is not None:
+            return torch.stack([m.weight.detach().abs().amax().float() for m in self.amax_group
+                                if m.weight is not None]).amax()
+        return self.weight_amax
+
     @torch.no_grad()
     def pack(self) -> None:
         """Replace the master weight by its packed NVFP4 form (inference); frees the master."""
         if self.weight is None:
             return
-        t = quantize(self.weight.detach(), spec=self.recipe.w, amax=self.weight_amax)
+        t = quantize(self.weight.detach(), spec=self.recipe.w, amax=self.shared_weight_amax())
         self.register_buffer("weight_data", t.data)
         self.register_buffer("weight_scales", t.scales)
         self.register_buffer("weight_global_amax", t.amax)
@@ -144,7 +182,7 @@ class QuantLinear(nn.Module):
         """Q(W): the exact values the forward multiplies by."""
         if self.weight is None:
             return dequantize(self.packed_weight, dtype or torch.float32)
-        qw = quantize_operand(self.weight.detach(), self.recipe.w, self.weight_amax)
+        qw = quantize_operand(self.weight.detach(), self.recipe.w, self.shared_weight_amax())
         return qw.to(dtype or self.weight.dtype)
 
     @torch.no_grad()
@@ -164,34 +202,14 @@ class QuantLinear(nn.Module):
         if self._calibration is not None:
             self._calibration["amax"] = torch.maximum(self._calibration["amax"],
                                                       x2.detach().abs().amax().float().cpu())
-        if recipe.compensation is not None:
-            y = self._compensated(x2, packed, x_amax)
-        elif recipe.quantizes or packed is not None:
-            y = _QuantLinearFn.apply(x2, self.weight, self.bias, packed, recipe, x_amax,
-                                     self.weight_amax)
-        else:
-            y = F.linear(x2, self.weight, self.bias)
+        y = quant_linear(x2, self.weight, self.bias, recipe, packed=packed, x_amax=x_amax,
+                         w_amax=self.shared_weight_amax(), rc_channels=self.rc_channels,
+                         calibration=self._calibration)
         if recipe.lowrank is not None:
             a, b = self.lowrank_a.to(x.dtype), self.lowrank_b.to(x.dtype)
             y = y + (x2 @ a.t()) @ b.t()
             self._maybe_refresh()
         return y.reshape(*lead, self.out_features)
-
-    def _compensated(self, x2, packed, x_amax) -> torch.Tensor:
-        # The rollout's forward: Q(x) Q(W)ᵀ plus the correction of the chosen channels.
-        qw = packed if packed is not None else quantize_operand(self.weight, self.recipe.w,
-                                                                self.weight_amax)
-        qx = quantize_operand(x2, self.recipe.x, x_amax)
-        residual = x2 - qx
-        if self._calibration is not None:
-            self._calibration["energy"] += rc.channel_energy(residual.detach().float(),
-                                                             qw.detach().float()).cpu()
-        cfg = self.recipe.compensation
-        channels = self.rc_channels if cfg.mode == "static" else None
-        if channels is None:
-            channels = rc.top_channels(residual, qw, cfg.count(self.in_features))
-        y = qx @ qw.t() + rc.correction(residual, qw, channels)
-        return y + self.bias if self.bias is not None else y
 
     def _maybe_refresh(self) -> None:
         lr = self.recipe.lowrank

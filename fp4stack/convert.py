@@ -1,0 +1,147 @@
+"""quantize_model: make any PyTorch or Hugging Face model run its GEMMs through a Recipe.
+
+Linear layers become QuantLinear and stacked MoE experts become quantized experts, in place and
+sharing the original parameters. The LM head, embeddings and MoE routers stay in high precision
+by default; q/k/v and gate/up projections of one block share one global amax, as inference
+engines that fuse them require.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .nn.linear import QuantLinear
+from .nn.moe import Experts
+from .nn.quant_experts import QuantExperts, QuantHFExperts, is_hf_fused_experts
+from .nn.recipe import Recipe
+from .nn.recipe import recipe as get_recipe
+
+DEFAULT_SKIP = ("lm_head", "embed", "router", "wte", "wpe")
+# Sibling projections that an inference engine fuses into one GEMM, so they share a global amax.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+@dataclass
+class ConversionSummary:
+    """What quantize_model did: converted modules, skipped modules with the reason, amax groups."""
+
+    recipe: str
+    converted: list[tuple[str, str]] = field(default_factory=list)  # (name, kind)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, reason)
+    shared_amax: list[list[str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"quantize_model: recipe {self.recipe}: {len(self.converted)} modules converted, "
+                 f"{len(self.skipped)} kept in high precision, "
+                 f"{len(self.shared_amax)} shared-amax groups"]
+        lines += [f"  converted  {name}  ({kind})" for name, kind in self.converted]
+        lines += [f"  skipped    {name}  ({reason})" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _n_blocks(model: nn.Module) -> int:
+    idx = [int(m.group(1)) for n, _ in model.named_modules() if (m := _BLOCK_INDEX.search(n + "."))]
+    return max(idx) + 1 if idx else 0
+
+
+def _skip_reason(name: str, skip: tuple[str, ...], recipe: Recipe, n_blocks: int) -> str | None:
+    for pattern in skip:
+        if pattern in name:
+            return f"matches skip pattern {pattern!r}"
+    m = _BLOCK_INDEX.search(name + ".")
+    if m:
+        i = int(m.group(1))
+        if i < recipe.keep_first_blocks:
+            return f"block {i} of the first {recipe.keep_first_blocks} kept high precision"
+        if i >= n_blocks - recipe.keep_last_blocks:
+            return f"block {i} of the last {recipe.keep_last_blocks} kept high precision"
+    return None
+
+
+def _kept_by_design(module: nn.Module) -> str | None:
+    # Reported so the summary accounts for every weight a user might expect to be quantized.
+    if isinstance(module, nn.Embedding):
+        return "embedding: a lookup, not a GEMM"
+    if type(module).__name__.endswith("Router") and not isinstance(module, nn.Linear):
+        return "MoE router: kept in high precision (router flips cause mismatch)"
+    return None
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def quantize_model(model: nn.Module, recipe: Recipe | str, skip: tuple[str, ...] = DEFAULT_SKIP,
+                   verbose: bool = False) -> ConversionSummary:
+    """Swap `model`'s linear layers and stacked experts for quantized ones, in place.
+
+    skip: substrings of module names left in high precision (default: LM head, embeddings,
+    routers); the recipe's keep_first_blocks / keep_last_blocks add whole blocks.
+    Returns a ConversionSummary (printing it lists what was converted and skipped, and why).
+    """
+    recipe = get_recipe(recipe)
+    summary = ConversionSummary(recipe.name)
+    if not recipe.quantizes:
+        summary.skipped.append(("*", f"recipe {recipe.name!r} quantizes nothing"))
+        return summary
+    master = recipe.with_(weight_storage="master")  # pack only after amax groups are known
+    n_blocks = _n_blocks(model)
+    for name, module in list(model.named_modules()):
+        kept = _kept_by_design(module)
+        if kept:
+            summary.skipped.append((name, kept))
+            continue
+        is_linear = isinstance(module, nn.Linear) and not isinstance(module, QuantLinear)
+        is_experts = isinstance(module, Experts) and not isinstance(module, QuantExperts)
+        is_hf = not is_experts and is_hf_fused_experts(module)
+        if not (is_linear or is_experts or is_hf):
+            continue
+        reason = _skip_reason(name, skip, recipe, n_blocks)
+        if reason:
+            summary.skipped.append((name, reason))
+        elif is_linear:
+            _set(model, name, QuantLinear.from_linear(module, master))
+            summary.converted.append((name, "linear"))
+        else:
+            q = (QuantExperts.from_experts(module, recipe) if is_experts
+                 else QuantHFExperts(module, recipe))
+            _set(model, name, q)
+            summary.converted.append((name, f"{module.gate_up_proj.shape[0]} experts"))
+    _share_amax(model, summary)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.recipe = recipe
+    if recipe.weight_storage == "packed":
+        _pack(model)
+    if verbose:
+        print(summary)
+    return summary
+
+
+def _share_amax(model: nn.Module, summary: ConversionSummary) -> None:
+    for parent_name, parent in model.named_modules():
+        for group in FUSED_GROUPS:
+            members = [getattr(parent, g, None) for g in group]
+            if all(isinstance(m, QuantLinear) for m in members):
+                for m in members:
+                    m.amax_group = members
+                prefix = f"{parent_name}." if parent_name else ""
+                summary.shared_amax.append([prefix + g for g in group])
+
+
+@torch.no_grad()
+def _pack(model: nn.Module) -> None:
+    # Freeze each group's shared amax first: packing a member frees its master weight.
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in layers:
+        if m.amax_group is not None:
+            m.weight_amax = m.shared_weight_amax()
+    for m in layers:
+        m.amax_group = None
+        m.pack()

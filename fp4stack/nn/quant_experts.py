@@ -1,0 +1,110 @@
+"""Quantized MoE experts: stacked expert weights whose every GEMM follows a Recipe.
+
+Each expert's weight is quantized on its own (its own global amax, as inference engines store
+one global scale per expert; the fused gate/up weight of an expert shares one). Two front ends
+share the maths: fp4stack's `Experts` (its `expert_linear` hook) and the fused experts of
+transformers 5.x (Qwen3-MoE, OLMoE, Mixtral: forward(hidden_states, top_k_index, top_k_weights)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..api import dequantize, quantize
+from ..formats.tensor import NVFP4Tensor
+from .linear import quant_linear
+from .moe import Experts
+from .recipe import Recipe
+
+_PROJS = ("gate_up", "down")
+
+
+class ExpertQuantization:
+    """Mixin: `recipe`, optional packed storage, and the quantized per-expert GEMM."""
+
+    recipe: Recipe
+
+    def _init_quantization(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.packed_spec = None
+        if recipe.weight_storage == "packed":
+            self.pack()
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Hold every expert weight as packed NVFP4 (buffers <proj>_data/_scales/_amax)."""
+        for proj in _PROJS:
+            w = getattr(self, f"{proj}_proj")
+            ts = [quantize(w[e].detach(), spec=self.recipe.w) for e in range(w.shape[0])]
+            self.register_buffer(f"{proj}_data", torch.stack([t.data for t in ts]))
+            self.register_buffer(f"{proj}_scales", torch.stack([t.scales for t in ts]))
+            self.register_buffer(f"{proj}_amax", torch.stack([t.amax for t in ts]))
+            self.packed_spec = ts[0].spec
+            delattr(self, f"{proj}_proj")
+            setattr(self, f"{proj}_proj", None)
+
+    def packed_expert(self, proj: str, e: int) -> NVFP4Tensor:
+        data = getattr(self, f"{proj}_data")[e]
+        shape = torch.Size((data.shape[0], getattr(self, f"{proj}_scales").shape[-1] * 16))
+        return NVFP4Tensor(data, getattr(self, f"{proj}_scales")[e],
+                           getattr(self, f"{proj}_amax")[e], shape, self.packed_spec)
+
+    def quant_expert_linear(self, x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
+        w = getattr(self, f"{proj}_proj")
+        if w is None:
+            packed = dequantize(self.packed_expert(proj, e), x.dtype)
+            return quant_linear(x, None, None, self.recipe, packed=packed)
+        return quant_linear(x, w[e], None, self.recipe)
+
+
+class QuantExperts(ExpertQuantization, Experts):
+    """fp4stack's Experts with quantized GEMMs (parameters shared with the original)."""
+
+    @classmethod
+    def from_experts(cls, experts: Experts, recipe: Recipe) -> QuantExperts:
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q.n_experts, q.dim, q.hidden = experts.n_experts, experts.dim, experts.hidden
+        q.gate_up_proj, q.down_proj = experts.gate_up_proj, experts.down_proj
+        q._init_quantization(recipe)
+        return q
+
+    def expert_linear(self, x: torch.Tensor, expert: int, which: str) -> torch.Tensor:
+        return self.quant_expert_linear(x, expert, which)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", recipe={self.recipe.name}"
+
+
+class QuantHFExperts(ExpertQuantization, nn.Module):
+    """transformers 5.x fused experts (gate_up_proj [E, 2I, D], down_proj [E, D, I], act_fn)
+    with quantized GEMMs; the eager loop of the original, one expert at a time."""
+
+    def __init__(self, experts: nn.Module, recipe: Recipe) -> None:
+        super().__init__()
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.act_fn = experts.act_fn
+        self._init_quantization(recipe)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            gate, up = self.quant_expert_linear(hidden_states[token], e, "gate_up").chunk(2, -1)
+            y = self.quant_expert_linear(self.act_fn(gate) * up, e, "down")
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, recipe={self.recipe.name}"
+
+
+def is_hf_fused_experts(module: nn.Module) -> bool:
+    """A transformers 5.x fused-experts module (3D gate_up_proj and down_proj, an act_fn)."""
+    w = getattr(module, "gate_up_proj", None)
+    d = getattr(module, "down_proj", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 3 and isinstance(d, torch.Tensor)
+            and d.dim() == 3 and hasattr(module, "act_fn"))

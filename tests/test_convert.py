@@ -1,0 +1,128 @@
+"""quantize_model on fp4stack's GPT and on tiny random Hugging Face models, offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fp4stack
+from fp4stack import QuantLinear
+from fp4stack.convert import quantize_model
+from fp4stack.nn.quant_experts import QuantExperts, QuantHFExperts
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def hf_model(kind: str):
+    t = transformers
+    torch.manual_seed(0)
+    if kind == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**COMMON))
+    if kind == "qwen3-moe":
+        return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
+            **COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16))
+    if kind == "olmoe":
+        return t.OlmoeForCausalLM(t.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2))
+    if kind == "mixtral":
+        return t.MixtralForCausalLM(t.MixtralConfig(**COMMON, num_local_experts=4,
+                                                    num_experts_per_tok=2))
+    raise ValueError(kind)
+
+
+HF = ["llama", "qwen3-moe", "olmoe", "mixtral"]
+
+
+@pytest.mark.parametrize("kind", HF)
+@pytest.mark.parametrize("name", ["qat-w", "nvfp4", "w4a4"])
+def test_hf_models_convert_and_run(kind, name):
+    model = hf_model(kind)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    ref = model(ids).logits.detach()
+    summary = quantize_model(model, name)
+    converted = dict(summary.converted)
+    skipped = dict(summary.skipped)
+    assert "lm_head" in skipped and "model.embed_tokens" in skipped
+    assert all(isinstance(model.get_submodule(n), (QuantLinear, QuantExperts, QuantHFExperts))
+               for n in converted)
+    if kind != "llama":
+        assert any("experts" in n for n in converted)
+        assert any("router" in reason for reason in skipped.values())
+    out = model(ids, labels=ids)
+    rel = float((out.logits.detach() - ref).norm() / ref.norm())
+    assert 0 < rel < 0.5  # quantized, and still the same function roughly
+    if name != "w4a4":
+        out.loss.backward()
+        grads = [p.grad for n, p in model.named_parameters() if "proj" in n]
+        assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_qkv_and_gate_up_share_one_global_amax():
+    model = hf_model("llama")
+    summary = quantize_model(model, "w4a4")
+    attn = model.model.layers[0].self_attn
+    amaxes = {float(getattr(attn, p).packed_weight.amax) for p in ("q_proj", "k_proj", "v_proj")}
+    assert len(amaxes) == 1
+    assert ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"] in summary.shared_amax
+
+
+def test_shared_amax_follows_training_weights():
+    model = hf_model("llama")
+    quantize_model(model, "qat-w")
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(10)
+    shared = attn.q_proj.shared_weight_amax()
+    assert float(shared) == float(attn.k_proj.weight.detach().abs().max())
+
+
+def test_keep_first_and_last_blocks():
+    model = hf_model("llama")
+    summary = quantize_model(model, "nvfp4-nvidia")
+    converted = [n for n, _ in summary.converted]
+    assert converted and all(".layers.1." in n for n in converted)
+    reasons = dict(summary.skipped)
+    assert "first 1" in reasons["model.layers.0.self_attn.q_proj"]
+    assert "last 1" in reasons["model.layers.2.mlp.down_proj"]
+    assert "converted" in str(summary) and "skipped" in str(summary)
+
+
+def test_bf16_recipe_converts_nothing():
+    model = hf_model("llama")
+    summary = quantize_model(model, "bf16")
+    assert not summary.converted and "quantizes nothing" in summary.skipped[0][1]
+
+
+def test_gpt_dense_and_moe():
+    from fp4stack.models import GPT, GPTConfig
+
+    for cfg in (GPTConfig.tiny(), GPTConfig.tiny_moe()):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (2, 16))
+        summary = quantize_model(model, "nvfp4")
+        kinds = {k for _, k in summary.converted}
+        assert "linear" in kinds
+        if cfg.moe:
+            assert any("experts" in k for k in kinds)
+            assert any("router" in n for n, _ in summary.skipped)
+        _, loss = model(idx, idx)
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
+def test_moe_trainer_and_rollout_experts_agree_bit_for_bit():
+    # qat-w (trainer) and w4a4 (rollout) see the same expert weights.
+    trainer, rollout = hf_model("qwen3-moe"), hf_model("qwen3-moe")
+    quantize_model(trainer, "qat-w")
+    quantize_model(rollout, "w4a4")
+    t = trainer.model.layers[0].mlp.experts
+    r = rollout.model.layers[0].mlp.experts
+    for e in range(4):
+        w = fp4stack.fake_quantize(t.gate_up_proj[e].detach(), spec=t.recipe.w)
+        assert torch.equal(w, fp4stack.dequantize(r.packed_expert("gate_up", e)))

@@ -145,3 +145,25 @@ def _pack(model: nn.Module) -> None:
     for m in layers:
         m.amax_group = None
         m.pack()
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches, forward=None) -> int:
+    """Run `batches` through `model` and fix, in every QuantLinear, the static activation amax
+    (used when the recipe has activation_amax="static") and the residual-compensation channels
+    (used in compensation mode "static"). `forward(model, batch)` defaults to `model(batch)`.
+    Returns the number of batches seen."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise ValueError("calibrate: the model has no QuantLinear; run quantize_model first")
+    for m in layers:
+        m.start_calibration()
+    n = 0
+    for batch in batches:
+        model(batch) if forward is None else forward(model, batch)
+        n += 1
+    if n == 0:
+        raise ValueError("calibrate: no batches given")
+    for m in layers:
+        m.finish_calibration()
+    return n

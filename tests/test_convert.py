@@ -126,3 +126,23 @@ def test_moe_trainer_and_rollout_experts_agree_bit_for_bit():
     for e in range(4):
         w = fp4stack.fake_quantize(t.gate_up_proj[e].detach(), spec=t.recipe.w)
         assert torch.equal(w, fp4stack.dequantize(r.packed_expert("gate_up", e)))
+
+
+def test_calibration_sets_static_activation_amax_and_channels():
+    from fp4stack.convert import calibrate
+    from fp4stack.nn import ResidualCompensation
+
+    model = hf_model("llama")
+    rec = fp4stack.recipe("w4a4-rc").with_(
+        activation_amax="static", compensation=ResidualCompensation(k=4, mode="static"))
+    quantize_model(model, rec)
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+               for s in range(3)]
+    assert calibrate(model, batches) == 3
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.x_amax is not None and float(q.x_amax) > 0
+    assert q.rc_channels.shape == (4,)
+    out = model(batches[0]).logits
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="no QuantLinear"):
+        calibrate(hf_model("llama"), batches)

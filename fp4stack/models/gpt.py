@@ -1,0 +1,316 @@
+"""A small Llama/Qwen3-style GPT, dense or mixture-of-experts, with Hugging Face module names.
+
+Module names follow Qwen3 / Qwen3-MoE in transformers (model.embed_tokens, model.layers[i].self_attn
+.q_proj, .mlp.gate_proj, .mlp.experts, model.norm, lm_head), so conversion rules written for HF
+models apply here too. The one difference: the MoE router is `.mlp.router.gate` (HF: `.mlp.gate`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn.moe import Experts, MoEBlock, record_routing, replay_routing
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT; checked on construction (ValueError naming the field)."""
+
+    vocab_size: int = 32768
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 4  # grouped-query attention: n_heads / n_kv_heads query heads share a K/V
+    ffn_hidden: int = 2048  # SwiGLU hidden size of the dense MLP
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = True  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    tie_embeddings: bool = False
+    moe: bool = False  # every block's MLP is an MoEBlock
+    n_experts: int = 8
+    top_k: int = 2
+    moe_hidden: int = 512  # SwiGLU hidden size of each expert
+    aux_loss_coef: float = 0.001  # HF's router_aux_loss_coef normalisation (see load_balance_loss)
+    norm_topk_prob: bool = True
+    head_dim: int | None = None  # default dim // n_heads
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                    "max_seq_len", "n_experts", "top_k", "moe_hidden")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GPTConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.aux_loss_coef >= 0:
+            raise ValueError(f"GPTConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"GPTConfig.n_kv_heads={self.n_kv_heads} must divide "
+                             f"n_heads={self.n_heads}")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"GPTConfig.n_heads={self.n_heads} must divide dim={self.dim} "
+                             "(or set head_dim)")
+        if self.head_size < 2 or self.head_size % 2:
+            raise ValueError(f"GPTConfig.head_dim={self.head_size} must be even for RoPE")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"GPTConfig.top_k={self.top_k} must be <= n_experts="
+                             f"{self.n_experts}")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    # Presets. Sizes are multiples of 16 so every GEMM operand splits into NVFP4 blocks.
+    @classmethod
+    def tiny(cls, **overrides) -> GPTConfig:
+        """About 0.1M parameters: CPU tests in milliseconds."""
+        base = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                    max_seq_len=64)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def tiny_moe(cls, **overrides) -> GPTConfig:
+        """tiny() with a 4-expert, top-2 MoE in every block."""
+        return cls.tiny(**{"moe": True, "n_experts": 4, "top_k": 2, "moe_hidden": 32, **overrides})
+
+    @classmethod
+    def small(cls, **overrides) -> GPTConfig:
+        """About 126M parameters (32k vocabulary, untied): single-GPU pretraining runs."""
+        return cls(**overrides)
+
+    @classmethod
+    def small_moe(cls, **overrides) -> GPTConfig:
+        """small() with 16 experts, top-4, 512 hidden each: 296M parameters, 126M active."""
+        return cls(**{"moe": True, "n_experts": 16, "top_k": 4, "moe_hidden": 512, **overrides})
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """fp32 cos and sin [S, head_dim] in the rotate-half layout of HF Llama/Qwen."""
+    # Computed per forward, not stored as buffers, so model.to(bf16) cannot round them.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                              dtype=torch.float32) / head_dim))
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, S, H, hd] rotated by position; cos/sin [S, hd]."""
+    # At least fp32: bf16 q/k rotated in bf16 would lose position information at long range.
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of one layer for incremental decoding; allocated on first use."""
+
+    def __init__(self, max_len: int):
+        self.max_len, self.pos = max_len, 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v [B, Hkv, S, hd]; return all keys and values so far."""
+        if self.k is None:
+            shape = (*k.shape[:2], self.max_len, k.shape[3])
+            self.k = k.new_zeros(shape)
+            self.v = v.new_zeros(shape)
+        end = self.pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions, {end} requested")
+        self.k[:, :, self.pos:end] = k
+        self.v[:, :, self.pos:end] = v
+        self.pos = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        y = self.attend(q, k, v)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention: q [B, H, S, hd] are the last S of the L positions in k, v
+        [B, Hkv, L, hd]. The one place attention is computed, for an FP4 attention to override."""
+        if self.n_kv_heads != self.n_heads:  # query head h reads K/V head h // rep (HF repeat_kv)
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        S, L = q.shape[2], k.shape[2]
+        if S == L:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = None if S == 1 else torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = (MoEBlock(cfg.dim, cfg.moe_hidden, cfg.n_experts, cfg.top_k,
+                             cfg.norm_topk_prob) if cfg.moe else MLP(cfg.dim, cfg.ffn_hidden))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, blocks and final norm: HF's `model` submodule."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, idx: Tensor, kv_caches: list[KVCache] | None = None) -> Tensor:
+        start = kv_caches[0].pos if kv_caches else 0
+        if start + idx.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
+        x = self.embed_tokens(idx)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None)
+        return self.norm(x)
+
+
+class GPT(nn.Module):
+    """Decoder-only LM. forward(idx [B, S], targets [B, S] | None) -> (logits [B, S, V], loss)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.model = Transformer(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.aux_loss: Tensor | None = None  # sum of the MoE aux losses of the last forward
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std); projections into the residual stream scaled by 1/sqrt(2 L)."""
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, Experts):
+                nn.init.normal_(m.gate_up_proj, std=std)
+            elif isinstance(m, nn.RMSNorm):
+                nn.init.ones_(m.weight)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "experts.down_proj")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *,
+                kv_caches: list[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits for every position; with targets, loss = CE (ignore_index -100) plus
+        aux_loss_coef * the summed MoE load-balance losses. With kv_caches (one KVCache per
+        layer) idx continues the positions already cached, as in generate()."""
+        logits = self.lm_head(self.model(idx, kv_caches))
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+        self.aux_loss = torch.stack([m.aux_loss for m in moe]).sum() if moe else None
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if self.aux_loss is not None:
+            loss = loss + self.config.aux_loss_coef * self.aux_loss
+        return logits, loss
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (tied weights once); active=True counts only top_k of the experts."""
+        n = sum(p.numel() for p in self.parameters())
+        if active and self.config.moe:
+            expert = sum(p.numel() for m in self.modules() if isinstance(m, Experts)
+                         for p in m.parameters())
+            n -= expert - expert * self.config.top_k // self.config.n_experts
+        return n
+
+    def record_routing(self) -> AbstractContextManager[dict[str, Tensor]]:
+        """`with model.record_routing() as routing:` -> {MoE block name: indices [B, S, k]}."""
+        return record_routing(self)
+
+    def replay_routing(self, routing: dict[str, Tensor]) -> AbstractContextManager[None]:
+        """`with model.replay_routing(routing):` forces the recorded experts in every MoE block."""
+        return replay_routing(self, routing)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """Sample max_new_tokens after idx [B, S] with a KV cache; temperature 0 is greedy.
+
+        Inside record_routing this records the routing of every token fed to the model, i.e. of
+        the returned sequence without its last token: replay it on `out[:, :-1]`.
+        """
+        total = idx.shape[1] + max_new_tokens - 1  # the last sampled token is never fed
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens - 1 = {total} exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
+        caches = [KVCache(max(total, idx.shape[1])) for _ in self.model.layers]
+        logits, _ = self(idx, kv_caches=caches)
+        for i in range(max_new_tokens):
+            nxt = sample(logits[:, -1], temperature, top_k, generator)
+            idx = torch.cat((idx, nxt), dim=1)
+            if i < max_new_tokens - 1:
+                logits, _ = self(nxt, kv_caches=caches)
+        return idx
+
+
+def sample(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+           generator: torch.Generator | None = None) -> Tensor:
+    """Next token [B, 1] from logits [B, V]; temperature 0 is argmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)

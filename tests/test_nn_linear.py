@@ -232,6 +232,7 @@ def test_shared_weight_amax_is_used():
         (dict(x=QuantSpec(hadamard=True)), "belongs on the wgrad operands"),
         (dict(x_wgrad=QuantSpec(hadamard=True)), "both use hadamard"),
         (dict(weight_storage="packed"), "needs an NVFP4 weight spec"),
+        (dict(weight_storage="packed", w=QuantSpec(), w_dgrad=QuantSpec()), "w_dgrad as None"),
         (dict(compensation=ResidualCompensation()), "Recipe.x is not quantized"),
         (dict(keep_last_blocks=-1), "must be >= 0"),
     ],

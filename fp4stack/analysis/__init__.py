@@ -1,5 +1,9 @@
 """Error analysis: how much each way of quantizing loses, measured on the library's own numerics."""
 
+from .attribution import Compensated, LayerError, attribute_error, layer_errors, summarize
 from .quant_error import DISTRIBUTIONS, METHODS, ErrorRow, error_table, format_table, make_tensor
 
-__all__ = ["DISTRIBUTIONS", "METHODS", "ErrorRow", "error_table", "format_table", "make_tensor"]
+__all__ = [
+    "DISTRIBUTIONS", "METHODS", "Compensated", "ErrorRow", "LayerError", "attribute_error",
+    "error_table", "format_table", "layer_errors", "make_tensor", "summarize",
+]

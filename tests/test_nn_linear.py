@@ -273,3 +273,12 @@ def test_inference_recipes_forward_and_input_gradient(name):
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
     if r.compensation is None:  # with compensation dx also flows through the residual term
         torch.testing.assert_close(xg.grad.double(), dy.double() @ qw, rtol=1e-5, atol=1e-5)
+
+
+def test_trainable_lowrank_factors_get_gradients():
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), recipe("lowrank").with_(
+        lowrank=fp4stack.LowRank(rank=4, trainable=True)))
+    assert isinstance(layer.lowrank_a, torch.nn.Parameter)
+    x, *_ = data()
+    layer(x).sum().backward()
+    assert layer.lowrank_a.grad is not None and layer.lowrank_b.grad.abs().sum() > 0

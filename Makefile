@@ -4,7 +4,7 @@
 # (so no unpinned requirement can pull a multi-GB CUDA build), then the project. Stamp files in
 # the venv make re-runs fast; editing pyproject.toml triggers a re-install.
 #
-#   make demo               quantization-error table (CPU, a few seconds)
+#   make demo               tiny pretraining comparison bf16 / nvfp4 / lowrank (CPU, a few minutes)
 #   make test               ruff + pytest
 #   make lint               ruff only
 #   make clean              build outputs and caches (keeps the venv)
@@ -25,8 +25,11 @@ LINT_PATHS := $(wildcard fp4stack tests benchmarks)
 .PHONY: demo test lint clean distclean
 .PRECIOUS: $(VENV)/.installed-%
 
-demo: $(VENV)/.installed-base
-	$(VENV)/bin/fp4stack quant-error
+demo: $(VENV)/.installed-demo
+	$(VENV)/bin/fp4stack data build --sources wikipedia --vocab-size 4096 --max-chars 3M \
+		--out runs/data/tiny
+	$(VENV)/bin/fp4stack compare --config configs/pretrain/tiny.yaml \
+		--recipes bf16,nvfp4,lowrank --out runs/compare/tiny
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)

@@ -262,7 +262,34 @@ PRETRAIN = Command(
     run=_pretrain_run,
 )
 
-COMMANDS: tuple[Command, ...] = (QUANT_ERROR, ANALYZE, DATA, PRETRAIN)
+# ---------------------------------------------------------------------------------- compare
+
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    from .train import compare
+
+    compare.add_arguments(p)
+
+
+def _compare_run(args: argparse.Namespace) -> int:
+    from .train import compare
+
+    return compare.run(args)
+
+
+COMPARE = Command(
+    name="compare",
+    help="pretrain one config with several recipes; table of the loss gap to BF16 and a plot",
+    description=(
+        "Train the same config (seed, data order, tokens) once per recipe, then write "
+        "DIR/compare.md (final validation loss, gap to BF16 in %%, tokens/s), compare.json and "
+        "compare.png (loss curves). Finished runs are reused."
+    ),
+    add_arguments=_compare_arguments,
+    run=_compare_run,
+)
+
+COMMANDS: tuple[Command, ...] = (QUANT_ERROR, ANALYZE, DATA, PRETRAIN, COMPARE)
 
 
 # ------------------------------------------------------------------------------------ main

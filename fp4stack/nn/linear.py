@@ -206,9 +206,11 @@ class QuantLinear(nn.Module):
                          w_amax=self.shared_weight_amax(), rc_channels=self.rc_channels,
                          calibration=self._calibration)
         if recipe.lowrank is not None:
+            # Refresh before use: an in-place refresh after it would modify factors this
+            # forward saved for its backward (autograd's "modified by an inplace operation").
+            self._maybe_refresh()
             a, b = self.lowrank_a.to(x.dtype), self.lowrank_b.to(x.dtype)
             y = y + (x2 @ a.t()) @ b.t()
-            self._maybe_refresh()
         return y.reshape(*lead, self.out_features)
 
     def _maybe_refresh(self) -> None:

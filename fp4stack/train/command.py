@@ -1,0 +1,53 @@
+"""`fp4stack pretrain`: arguments and run function (registered in fp4stack/cli.py).
+
+    fp4stack pretrain --config configs/pretrain/tiny.yaml --recipe nvfp4
+    torchrun --standalone --nproc_per_node=2 -m fp4stack.cli pretrain --config C.yaml
+        --distributed fsdp2   (one command line)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True,
+                   help="YAML config (presets: configs/pretrain/{tiny,tiny-moe,small,small-moe}"
+                   ".yaml)")
+    p.add_argument("--recipe", help="bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, ... "
+                   "(default: the config's)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (default: the config's)")
+    p.add_argument("--out", help="output directory; '{recipe}' is replaced by the recipe name")
+    p.add_argument("--data", help="data directory with train.bin, val.bin, manifest.json")
+    p.add_argument("--seed", type=int, help="seed of init, data order and stochastic rounding")
+    p.add_argument("--micro-batch-size", type=int,
+                   help="sequences per forward on one rank (default: the config's); under "
+                   "torchrun global_batch_size must be a multiple of it x the world size")
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--distributed", choices=("ddp", "fsdp2"),
+                   help="under torchrun with several processes (default: the config's)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .trainer import NonFiniteLossError, train
+
+    try:
+        cfg = load_config(args.config, recipe=args.recipe, max_steps=args.max_steps,
+                          out=args.out, data=args.data, seed=args.seed, device=args.device,
+                          distributed=args.distributed, micro_batch_size=args.micro_batch_size)
+        train(cfg, resume=args.resume)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"fp4stack pretrain: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # pyyaml / tqdm
+        print(f"fp4stack pretrain: error: {e}; install the train extra: "
+              "pip install 'fp4stack[train]'", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"fp4stack pretrain: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,202 @@
+"""PretrainConfig: every knob of a pretraining run, loaded from YAML and checked strictly.
+
+A typo in a config silently falling back to a default would waste a GPU run, so unknown keys and
+bad values raise ValueError naming the field and how to fix it. The model is a GPTConfig preset
+name or a mapping of GPTConfig fields (optionally on top of a `preset`); its vocab_size comes from
+the data's manifest and its max_seq_len from seq_len unless given.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..models.gpt import GPTConfig
+from ..nn.recipe import PRESETS
+
+MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
+                 "small": GPTConfig.small, "small-moe": GPTConfig.small_moe}
+DISTRIBUTED = ("ddp", "fsdp2")
+# How the presets' data directories are built (named in the error when one is missing).
+DATA_COMMANDS = {
+    "runs/data/tiny": "fp4stack data build --sources wikipedia --vocab-size 4096 "
+                      "--max-chars 3000000 --out runs/data/tiny",
+    "runs/data/small": "fp4stack data build --sources wikipedia linux-docs python-docs "
+                       "--vocab-size 8192 --out runs/data/small",
+}
+
+
+@dataclass
+class PretrainConfig:
+    """One pretraining run. Batch sizes count sequences of seq_len tokens."""
+
+    model: str | dict[str, Any] = "tiny"  # preset name, or {preset: NAME, <GPTConfig field>: ...}
+    data: str = "runs/data/tiny"  # train.bin / val.bin / manifest.json (fp4stack data build)
+    seq_len: int = 128
+    global_batch_size: int = 16  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 16  # sequences per forward on one rank; the rest is accumulation
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    max_steps: int = 200
+    lr_decay_steps: int | None = None  # length of the cosine; None: max_steps
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    eval_every: int = 50  # steps between validation losses (and always after the last step)
+    eval_batches: int = 8  # validation windows: eval_batches * micro_batch_size sequences
+    log_every: int = 10
+    ckpt_every: int = 0  # steps between checkpoints; 0: only the final one
+    keep_checkpoints: int = 2
+    seed: int = 0  # model init, data order and stochastic rounding
+    recipe: str = "bf16"
+    max_nan_skips: int = 5  # consecutive non-finite steps skipped before training stops
+    out: str = "runs/pretrain/{recipe}"  # "{recipe}" is replaced by the recipe name
+    distributed: str = "ddp"  # under torchrun with several processes: ddp or fsdp2
+    device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
+    tensorboard: bool = True  # also write TensorBoard scalars when tensorboard is installed
+
+    def __post_init__(self) -> None:
+        self.betas = _betas(self.betas)
+        for name in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps",
+                     "eval_every", "eval_batches", "log_every", "keep_checkpoints"):
+            _int(name, getattr(self, name), minimum=1)
+        for name in ("warmup_steps", "ckpt_every", "max_nan_skips", "seed"):
+            _int(name, getattr(self, name), minimum=0)
+        if self.lr_decay_steps is not None:
+            _int("lr_decay_steps", self.lr_decay_steps, minimum=1)
+        for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip"):
+            setattr(self, name, _float(name, getattr(self, name)))
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} must be a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")
+        if self.recipe not in PRESETS:
+            raise ValueError(f"recipe {self.recipe!r} is unknown; choose one of {sorted(PRESETS)}")
+        if self.distributed not in DISTRIBUTED:
+            raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("data", "out"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
+        if not isinstance(self.tensorboard, bool):
+            raise ValueError(f"tensorboard must be true or false, got {self.tensorboard!r}")
+        self.model_config(vocab_size=None)  # fail now, not after the data is loaded
+
+    @property
+    def decay_steps(self) -> int:
+        return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out.replace("{recipe}", self.recipe))
+
+    def model_config(self, vocab_size: int | None) -> GPTConfig:
+        """The GPTConfig of this run for data with `vocab_size` tokens (None: the preset's)."""
+        spec = {"preset": self.model} if isinstance(self.model, str) else dict(self.model)
+        preset = spec.pop("preset", None)
+        if preset is not None and preset not in MODEL_PRESETS:
+            raise ValueError(f"model preset {preset!r} is unknown; choose one of "
+                             f"{sorted(MODEL_PRESETS)} or give GPTConfig fields")
+        known = {f.name for f in fields(GPTConfig)}
+        for key in spec:
+            if key not in known:
+                raise ValueError(f"model.{key}: unknown GPTConfig field{_suggest(key, known)}; "
+                                 f"known fields: {sorted(known)}")
+        given_vocab = spec.get("vocab_size")
+        if vocab_size is not None:
+            if given_vocab is not None and given_vocab < vocab_size:
+                raise ValueError(f"model.vocab_size {given_vocab} is smaller than the data's "
+                                 f"vocabulary ({vocab_size}); remove it to use the data's")
+            spec.setdefault("vocab_size", vocab_size)
+        if spec.get("max_seq_len", self.seq_len) < self.seq_len:
+            raise ValueError(f"model.max_seq_len {spec['max_seq_len']} is smaller than seq_len "
+                             f"{self.seq_len}; remove it or raise it")
+        spec.setdefault("max_seq_len", self.seq_len)
+        try:
+            return MODEL_PRESETS[preset](**spec) if preset else GPTConfig(**spec)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    def with_overrides(self, **overrides: Any) -> PretrainConfig:
+        """A validated copy with the non-None overrides applied (CLI flags)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _suggest(key: str, known) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}"
+                         + (" (YAML reads 3e-4 as a string: write 3.0e-4)"
+                            if isinstance(value, str) else ""))
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                       for b in value)):
+        raise ValueError(f"betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def from_dict(d: dict[str, Any], source: str = "config") -> PretrainConfig:
+    """A PretrainConfig from a mapping; unknown keys raise ValueError."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
+    known = {f.name for f in fields(PretrainConfig)}
+    for key in d:
+        if key not in known:
+            raise ValueError(f"{source}: unknown key {key!r}{_suggest(str(key), known)}; "
+                             f"known keys: {sorted(known)}")
+    try:
+        return PretrainConfig(**d)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+
+
+def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> PretrainConfig:
+    """Read a YAML config (None: the defaults) and apply CLI overrides (None values ignored)."""
+    import yaml
+
+    d: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config {path} not found (presets: configs/pretrain/*.yaml)")
+        d = yaml.safe_load(path.read_text()) or {}
+    cfg = from_dict(d, source=str(path or "config"))
+    try:
+        return cfg.with_overrides(**overrides)
+    except ValueError as e:
+        raise ValueError(f"{path or 'config'} with overrides {overrides}: {e}") from e
+
+
+__all__ = ["DATA_COMMANDS", "MODEL_PRESETS", "PretrainConfig", "from_dict", "load_config"]

@@ -1,0 +1,121 @@
+"""torch.distributed for the trainer: process group, device, DDP / FSDP2 wrapping, reductions.
+
+Launched by torchrun (WORLD_SIZE > 1 in the environment) the trainer joins a process group:
+NCCL with one GPU per process on CUDA, gloo on CPU. A single process never touches
+torch.distributed, so the plain path has no distributed code in it at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # this process created the process group, so it destroys it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """auto: cuda (this process's GPU under torchrun) when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use device: cpu")
+    return device
+
+
+def setup(device_name: str) -> DistEnv:
+    """Join the torchrun process group if there is one (or reuse an initialised one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    if world <= 1:
+        return DistEnv(0, 1, 0, resolve_device(device_name), owns_group=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_name, local_rank)
+    owns = not dist.is_initialized()
+    if owns:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
+
+
+def teardown(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        if env.device.type == "cuda":
+            dist.barrier(device_ids=[env.device.index])
+        else:
+            dist.barrier()
+
+
+def all_reduce_mean(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean over ranks of a (small) tensor; the identity in a single process."""
+    if env.distributed:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= env.world_size
+    return values
+
+
+def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    if env.distributed:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def wrap(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
+    """DDP, or FSDP2 (`fully_shard` on every transformer block, then on the root).
+
+    FSDP2 keeps fp32 parameters and all-gathers them in fp32; bf16 compute comes from autocast,
+    as in the single-process and DDP paths, so every mode quantizes the same fp32 master weights.
+    """
+    if not env.distributed:
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    raise ValueError(f"distributed must be ddp or fsdp2, got {mode!r}")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPT inside a DDP wrapper (FSDP2 modifies the model in place: nothing to unwrap)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return model.module if isinstance(model, DDP) else model

@@ -1,0 +1,71 @@
+"""`fp4stack compare`: the same config, seed and tokens for each recipe; table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from fp4stack.data import write_shard
+from fp4stack.train.compare import format_table, gaps, run_comparison
+from fp4stack.train.metrics import read_metrics
+
+VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    # A repeating pattern with noise: learnable in a few steps.
+    base = np.tile(np.arange(VOCAB), 400)
+    noisy = np.where(rng.random(base.size) < 0.1, rng.integers(0, VOCAB, base.size), base)
+    write_shard(data / "train.bin", noisy[:16_000], VOCAB)
+    write_shard(data / "val.bin", noisy[16_000:], VOCAB)
+    (data / "manifest.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    cfg = dict(model={"preset": "tiny", "dim": 32, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1,
+                      "ffn_hidden": 64},
+               data=str(data), seq_len=32, global_batch_size=8, micro_batch_size=8, lr=1e-2,
+               min_lr=1e-3, warmup_steps=2, max_steps=6, eval_every=3, eval_batches=2,
+               log_every=1, tensorboard=False, device="cpu")
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, root / "out"
+
+
+def test_comparison_runs_every_recipe_on_the_same_tokens(setup):
+    config, out = setup
+    rows = run_comparison(config, ["bf16", "nvfp4"], out, baseline_seeds=(1,))
+    assert [(r.recipe, r.seed) for r in rows] == [("bf16", 0), ("nvfp4", 0), ("bf16", 1)]
+    assert all(np.isfinite(r.val_loss) and r.tokens_per_s > 0 for r in rows)
+    # Same seed: the BF16 and NVFP4 runs saw the same tokens at every logged step.
+    tok = {r.recipe + str(r.seed): [m["tokens"] for m in read_metrics(r.out)] for r in rows}
+    assert tok["bf160"] == tok["nvfp40"]
+    table = (out / "compare.md").read_text()
+    assert "| nvfp4 | 0 |" in table and "noise floor" in table
+    assert (out / "compare.png").stat().st_size > 0
+    assert len(json.loads((out / "compare.json").read_text())) == 3
+    g = gaps(rows)
+    base = (rows[0].val_loss + rows[2].val_loss) / 2
+    assert g[("nvfp4", 0)] == pytest.approx(100 * (rows[1].val_loss - base) / base)
+
+
+def test_finished_runs_are_reused(setup):
+    config, out = setup
+    first = run_comparison(config, ["bf16"], out)
+    mtime = (Path(first[0].out) / "result.json").stat().st_mtime
+    again = run_comparison(config, ["bf16"], out)
+    assert (Path(again[0].out) / "result.json").stat().st_mtime == mtime
+    assert again[0].val_loss == first[0].val_loss
+
+
+def test_table_without_baseline_says_na(setup):
+    from fp4stack.train.compare import RunRow
+
+    table = format_table([RunRow("nvfp4", 0, 3.0, 100.0, 6, "x")])
+    assert "n/a" in table

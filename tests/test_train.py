@@ -1,0 +1,340 @@
+"""Pretraining loop: recipes train, logs, exact resume, NaN handling, config checks, checkpoints.
+
+Every run here is a 3-block, 32-wide GPT on a synthetic Markov-chain token stream (learnable, so
+the loss falls within a few steps), a fraction of a second per step on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp4stack.cli import main
+from fp4stack.data import write_shard
+from fp4stack.models.gpt import GPT
+from fp4stack.nn.recipe import PRESETS, LowRank
+from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
+from fp4stack.train import checkpoint as ckpt_mod
+from fp4stack.train.checkpoint import checkpoint_dirs, latest_checkpoint
+from fp4stack.train.schedule import lr_at
+from fp4stack.train.trainer import param_groups
+
+VOCAB = 64
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_data(path: Path, vocab: int = VOCAB, n_train: int = 40_000, n_val: int = 4_000) -> Path:
+    """A data directory of a random sparse first-order Markov chain (predictable: loss falls)."""
+    rng = np.random.default_rng(0)
+    cdf = rng.dirichlet(np.full(vocab, 0.1), size=vocab).cumsum(axis=1)
+
+    def stream(n: int) -> np.ndarray:
+        out, t = np.empty(n, dtype=np.int64), 0
+        for i, u in enumerate(rng.random(n)):
+            t = min(int(np.searchsorted(cdf[t], u)), vocab - 1)
+            out[i] = t
+        return out
+
+    path.mkdir(parents=True)
+    write_shard(path / "train.bin", stream(n_train), vocab)
+    write_shard(path / "val.bin", stream(n_val), vocab)
+    (path / "manifest.json").write_text(json.dumps({"vocab_size": vocab}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_data(tmp_path_factory.mktemp("train") / "data")
+
+
+def config(data: Path, out: Path, **overrides):
+    d = dict(model={"preset": "tiny", "dim": 32, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1,
+                    "ffn_hidden": 64},
+             data=str(data), seq_len=32, global_batch_size=8, micro_batch_size=4, lr=1e-2,
+             min_lr=1e-3, warmup_steps=2, max_steps=8, eval_every=4, eval_batches=2, log_every=1,
+             recipe="bf16", out=str(out), tensorboard=False, device="cpu")
+    return from_dict({**d, **overrides})
+
+
+MOE = {"preset": "tiny-moe", "dim": 32, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1,
+       "n_experts": 4, "top_k": 2, "moe_hidden": 32}
+
+
+@pytest.fixture
+def fast_lowrank(monkeypatch):
+    """A `lowrank` preset whose factors refresh every 3 forwards, so short runs refresh."""
+    name = "lowrank-refresh3"
+    monkeypatch.setitem(PRESETS, name, PRESETS["lowrank"].with_(
+        name=name, lowrank=LowRank(rank=4, refresh_every=3)))
+    return name
+
+
+# ---------------------------------------------------------------------------------- recipes
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "nvfp4-nvidia", "lowrank", "qat-w"])
+def test_recipe_trains(data, tmp_path, recipe, moe):
+    cfg = config(data, tmp_path, recipe=recipe, **({"model": MOE} if moe else {}))
+    result = train(cfg)
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    assert np.mean(losses[-3:]) < losses[0] - 0.05, losses  # ln(64) = 4.16 at init
+    assert math.isfinite(result["final_val_loss"]) and result["final_val_loss"] < losses[0]
+    assert result["steps"] == 8 and result["tokens"] == 8 * 8 * 32 and result["nan_skips"] == 0
+    assert result["tokens_per_s"] > 0 and result["wall_s"] > 0
+    assert json.loads((tmp_path / "result.json").read_text())["recipe"] == recipe
+
+
+def test_metrics_schema(data, tmp_path):
+    cfg = config(data, tmp_path, log_every=3, max_steps=7, ckpt_every=3)
+    train(cfg)
+    records = read_metrics(tmp_path)
+    # Every log_every steps, every eval step (4) and the last step (7, also an eval).
+    assert [r["step"] for r in records] == [3, 4, 6, 7]
+    for r in records:
+        assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r)
+        assert r["tokens"] == r["step"] * 8 * 32
+        assert r["lr"] == lr_at(r["step"] - 1, 1e-2, 1e-3, 2, 7)
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and "skipped" not in r
+    assert [("val_loss" in r) for r in records] == [False, True, False, True]
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_00000006", "step_00000007"]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["recipe"] == "bf16" and saved["betas"] == [0.9, 0.95]
+
+
+def test_tensorboard_scalars(data, tmp_path, monkeypatch, capsys):
+    # A stand-in SummaryWriter: the real one needs the (optional, large) tensorboard package.
+    scalars = []
+
+    class Writer:
+        def __init__(self, log_dir, purge_step=None):
+            assert log_dir == str(tmp_path / "tensorboard")
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=Writer))
+    train(config(data, tmp_path, max_steps=4, tensorboard=True))
+    assert ("train/loss", 1) in scalars and ("val/loss", 4) in scalars
+    assert ("train/tokens_per_s", 4) in scalars
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    train(config(data, tmp_path / "b", max_steps=2, warmup_steps=1, tensorboard=True))
+    assert "tensorboard is not installed" in capsys.readouterr().err
+
+
+def test_lr_schedule():
+    lrs = [lr_at(s, 1.0, 0.1, 4, 20) for s in range(25)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert lrs[20:] == [0.1] * 5 and lrs[19] > 0.1
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    model = GPT(load_config(None, model="tiny").model_config(VOCAB))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all("norm" in names[id(p)] or "embed" in names[id(p)] for p in no_decay["params"])
+    assert {names[id(p)] for p in decay["params"]} >= {"lm_head.weight",
+                                                       "model.layers.0.self_attn.q_proj.weight"}
+
+
+# ----------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense-nvfp4-nvidia", "moe-lowrank"])
+def test_resume_is_bit_exact(data, tmp_path, moe, fast_lowrank):
+    # nvfp4-nvidia draws stochastic-rounding seeds from the RNG; lowrank refreshes its factors
+    # every 3 forwards: both states must come back from the checkpoint for the curves to match.
+    kw = ({"model": MOE, "recipe": fast_lowrank} if moe else {"recipe": "nvfp4-nvidia"})
+    full = train(config(data, tmp_path / "full", max_steps=8, **kw))
+    train(config(data, tmp_path / "split", max_steps=4, lr_decay_steps=8, **kw))
+    resumed = train(config(data, tmp_path / "split", max_steps=8, **kw), resume=True)
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "split")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "grad_norm", "lr", "val_loss"):
+            assert ra.get(key) == rb.get(key, ra.get(key)), (ra["step"], key)
+    assert resumed["steps_this_run"] == 4 and resumed["final_val_loss"] == full["final_val_loss"]
+    wa = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    wb = load_file(str(latest_checkpoint(tmp_path / "split") / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_guards(data, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(config(data, tmp_path), resume=True)
+    train(config(data, tmp_path, max_steps=2, warmup_steps=1))
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(config(data, tmp_path, max_steps=4))
+    with pytest.raises(ValueError, match="recipe is 'nvfp4' but the checkpoint"):
+        train(config(data, tmp_path, max_steps=4, recipe="nvfp4"), resume=True)
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch):
+    real_save = ckpt_mod.save_file
+    calls = []
+
+    def crashing_save(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # the second checkpoint: write part of the file, then die
+            Path(filename).write_bytes(b"partial")
+            raise KeyboardInterrupt("killed mid-save")
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", crashing_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(data, tmp_path, max_steps=4, ckpt_every=2))
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_00000002"]
+    assert any(p.name.startswith(".tmp-") for p in (tmp_path / "checkpoints").iterdir())
+    good = latest_checkpoint(tmp_path)
+    assert json.loads((good / "state.json").read_text())["step"] == 2
+    assert load_file(str(good / "model.safetensors"))  # intact
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
+    result = train(config(data, tmp_path, max_steps=4, ckpt_every=2), resume=True)
+    assert result["steps_this_run"] == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002", "step_00000004"]  # the stale temporary directory is gone
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "nvfp4-nvidia"])
+def test_cuda_bf16_autocast_trains(data, tmp_path, recipe):
+    result = train(config(data, tmp_path, recipe=recipe, device="cuda"))
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert all(math.isfinite(v) for v in losses) and np.mean(losses[-3:]) < losses[0] - 0.05
+    assert result["device"].startswith("cuda") and result["peak_memory_gib"] > 0
+
+
+# -------------------------------------------------------------------------------------- NaN
+
+
+def poison(monkeypatch, steps: set[int], where: str) -> None:
+    """Make training forward number `s` (0-based; one per step here) non-finite: its loss
+    ("loss") or only its gradients ("grad")."""
+    forward = GPT.forward
+    count = {"n": 0}
+
+    def patched(self, idx, targets=None, **kw):
+        logits, loss = forward(self, idx, targets, **kw)
+        if targets is not None and torch.is_grad_enabled():
+            if count["n"] in steps:
+                if where == "loss":
+                    loss = loss * float("nan")
+                else:
+                    logits.register_hook(lambda g: torch.full_like(g, float("inf")))
+            count["n"] += 1
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", patched)
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_step_is_skipped(data, tmp_path, monkeypatch, where):
+    poison(monkeypatch, {2}, where)
+    result = train(config(data, tmp_path, max_steps=5, micro_batch_size=8))
+    records = read_metrics(tmp_path)
+    bad = records[2]
+    assert bad["step"] == 3 and bad["skipped"] is True
+    assert bad["reason"] == ("non-finite loss" if where == "loss" else "non-finite grad norm")
+    assert all("skipped" not in r for i, r in enumerate(records) if i != 2)
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 2)
+    assert result["nan_skips"] == 1 and math.isfinite(result["final_val_loss"])
+
+
+def test_nonfinite_steps_stop_training(data, tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(2, 100)), "loss")
+    with pytest.raises(NonFiniteLossError, match="max_nan_skips 2"):
+        train(config(data, tmp_path, max_steps=10, micro_batch_size=8, max_nan_skips=2))
+    records = read_metrics(tmp_path)
+    assert [r.get("skipped", False) for r in records] == [False, False, True, True, True]
+    assert records[-1]["loss"] == "nan"  # JSON has no NaN
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"lrr": 0.1}, "unknown key 'lrr'.*did you mean 'lr'"),
+    ({"lr": 0.0}, "lr must be > 0"),
+    ({"weight_decay": -1.0}, "weight_decay must be >= 0"),
+    ({"lr": "3e-4"}, "lr must be a finite number.*3.0e-4"),
+    ({"min_lr": 1.0}, r"min_lr must be in \[0, lr"),
+    ({"betas": [0.9]}, "betas must be two numbers"),
+    ({"global_batch_size": 10}, "global_batch_size 10 must be a multiple of micro_batch_size 4"),
+    ({"max_steps": 0}, "max_steps must be an integer >= 1"),
+    ({"recipe": "nvfp5"}, "recipe 'nvfp5' is unknown"),
+    ({"distributed": "zero3"}, "distributed must be one of"),
+    ({"device": "tpu"}, "device must be auto"),
+    ({"model": {"dimm": 32}}, r"model.dimm: unknown GPTConfig field.*did you mean 'dim'"),
+    ({"model": "huge"}, "model preset 'huge' is unknown"),
+    ({"model": {"dim": 30}}, "model: .*n_heads"),
+    ({"model": {"preset": "tiny", "max_seq_len": 16}}, "max_seq_len 16 is smaller than seq_len"),
+    ({"tensorboard": "yes"}, "tensorboard must be true or false"),
+])
+def test_config_errors_name_the_field(data, tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        config(data, tmp_path, **change)
+
+
+def test_yaml_presets_and_overrides(tmp_path):
+    presets = sorted((REPO / "configs" / "pretrain").glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"tiny", "tiny-moe", "small", "small-moe"}
+    for path in presets:
+        cfg = load_config(path)
+        assert cfg.model_config(4096).vocab_size == 4096  # the data's vocabulary
+    cfg = load_config(REPO / "configs/pretrain/tiny.yaml", recipe="nvfp4", max_steps=3,
+                      out=str(tmp_path / "{recipe}"), seed=None)
+    assert cfg.recipe == "nvfp4" and cfg.max_steps == 3 and cfg.out_dir == tmp_path / "nvfp4"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 128\nbatch_size: 8\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown key 'batch_size'"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="max_steps must be an integer >= 1"):
+        load_config(REPO / "configs/pretrain/tiny.yaml", max_steps=0)
+    with pytest.raises(ValueError, match="vocab_size 64 is smaller than the data's"):
+        from_dict({"model": {"preset": "tiny", "vocab_size": 64}}).model_config(4096)
+
+
+def test_missing_data_names_the_build_command(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="fp4stack data build"):
+        train(from_dict({"data": str(tmp_path / "none"), "out": str(tmp_path / "out")}))
+    monkeypatch.chdir(tmp_path)  # where runs/data/tiny, the presets' default, does not exist
+    with pytest.raises(FileNotFoundError, match="data build --sources wikipedia --vocab-size "
+                       "4096 --max-chars 3000000 --out runs/data/tiny"):
+        train(load_config(REPO / "configs/pretrain/tiny.yaml", device="cpu"))
+
+
+def test_cli_pretrain(data, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"model: {{preset: tiny, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, "
+        f"ffn_hidden: 64}}\ndata: {data}\nseq_len: 32\nglobal_batch_size: 4\n"
+        "micro_batch_size: 4\nwarmup_steps: 1\nmax_steps: 10\ntensorboard: false\n")
+    out = tmp_path / "runs" / "{recipe}"
+    assert main(["pretrain", "--config", str(cfg), "--recipe", "qat-w", "--max-steps", "2",
+                 "--out", str(out)]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "qat-w")] == [2]
+    assert main(["pretrain", "--config", str(cfg), "--recipe", "qat-w", "--max-steps", "3",
+                 "--out", str(out), "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "qat-w")] == [2, 3]
+    assert "quantize_model: recipe qat-w" in capsys.readouterr().out
+    assert main(["pretrain", "--config", str(cfg), "--data", str(tmp_path / "none")]) == 2
+    assert "fp4stack data build" in capsys.readouterr().err
+    assert main(["pretrain", "--config", str(cfg), "--recipe", "nvfp5"]) == 2
+    assert "recipe 'nvfp5' is unknown" in capsys.readouterr().err

@@ -235,19 +235,21 @@ DATA = Command(
     run=_data_run,
 )
 
-# --------------------------------------------------------------------------------- pretrain
+# ------------------------------------------------------------------- pretrain and compare
 
 
-def _pretrain_arguments(p: argparse.ArgumentParser) -> None:
-    from .train import command
+def _lazy(module: str) -> dict:
+    """add_arguments / run of a module that defines both, imported only when the command runs
+    (training pulls in heavy imports that `fp4stack --help` should not pay for)."""
+    from importlib import import_module
 
-    command.add_arguments(p)
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        import_module(module, __package__).add_arguments(p)
 
+    def run(args: argparse.Namespace) -> int:
+        return import_module(module, __package__).run(args)
 
-def _pretrain_run(args: argparse.Namespace) -> int:
-    from .train import command
-
-    return command.run(args)
+    return {"add_arguments": add_arguments, "run": run}
 
 
 PRETRAIN = Command(
@@ -258,24 +260,8 @@ PRETRAIN = Command(
         "DIR/metrics.jsonl, checkpoints under DIR/checkpoints (--resume continues the latest "
         "exactly) and DIR/result.json. Under torchrun: DDP, or FSDP2 with --distributed fsdp2."
     ),
-    add_arguments=_pretrain_arguments,
-    run=_pretrain_run,
+    **_lazy(".train.command"),
 )
-
-# ---------------------------------------------------------------------------------- compare
-
-
-def _compare_arguments(p: argparse.ArgumentParser) -> None:
-    from .train import compare
-
-    compare.add_arguments(p)
-
-
-def _compare_run(args: argparse.Namespace) -> int:
-    from .train import compare
-
-    return compare.run(args)
-
 
 COMPARE = Command(
     name="compare",
@@ -285,8 +271,7 @@ COMPARE = Command(
         "DIR/compare.md (final validation loss, gap to BF16 in %%, tokens/s), compare.json and "
         "compare.png (loss curves). Finished runs are reused."
     ),
-    add_arguments=_compare_arguments,
-    run=_compare_run,
+    **_lazy(".train.compare"),
 )
 
 COMMANDS: tuple[Command, ...] = (QUANT_ERROR, ANALYZE, DATA, PRETRAIN, COMPARE)

@@ -69,3 +69,27 @@ def test_table_without_baseline_says_na(setup):
 
     table = format_table([RunRow("nvfp4", 0, 3.0, 100.0, 6, "x")])
     assert "n/a" in table
+
+
+def test_every_recipe_runs_at_every_seed_and_is_summarised(setup, tmp_path):
+    config, out = setup
+    rows = run_comparison(config, ["bf16", "nvfp4"], tmp_path, seeds=(0, 1))
+    assert sorted((r.recipe, r.seed) for r in rows) == [("bf16", 0), ("bf16", 1),
+                                                         ("nvfp4", 0), ("nvfp4", 1)]
+    table = format_table(rows)
+    g = gaps(rows)
+    mean_gap = (g[("nvfp4", 0)] + g[("nvfp4", 1)]) / 2
+    mean_loss = (rows[2].val_loss + rows[3].val_loss) / 2
+    assert f"| nvfp4 | 2 | {mean_loss:.4f} | {mean_gap:+.2f}% |" in table
+    with pytest.raises(ValueError, match="seeds"):
+        run_comparison(config, ["bf16"], tmp_path, seeds=())
+
+
+def test_no_train_reports_only_the_finished_runs(setup, tmp_path):
+    config, _ = setup
+    run_comparison(config, ["bf16"], tmp_path)
+    rows = run_comparison(config, ["bf16", "nvfp4"], tmp_path, seeds=(0, 1), train_missing=False)
+    assert [(r.recipe, r.seed) for r in rows] == [("bf16", 0)]
+    assert not (tmp_path / "nvfp4-s0").exists()
+    with pytest.raises(FileNotFoundError, match="no finished runs"):
+        run_comparison(config, ["nvfp4"], tmp_path, train_missing=False)

@@ -39,12 +39,17 @@ def fq(t, spec, columnwise=False):
     return fp4stack.fake_quantize(tt.contiguous(), spec=spec).double().t()
 
 
-def reference(x, w, b, dy, r: Recipe):
-    qx, qw = fq(x, r.x), fq(w, r.w)
-    y = qx @ qw.t() + b.double()
-    wd = qw if r.w_dgrad is None else fq(w, r.w_dgrad, columnwise=True)
+def reference(x, w, b, dy, r: Recipe, dtype=torch.float64):
+    """y, dx, dW in float64 from operands quantized in their own dtype and then rounded to
+    `dtype` (the compute dtype: bf16 under autocast)."""
+    def cast(t):
+        return t.to(dtype).double()
+
+    qx, qw = cast(fq(x, r.x)), cast(fq(w, r.w))
+    y = qx @ qw.t() + cast(b)
+    wd = qw if r.w_dgrad is None else cast(fq(w, r.w_dgrad, columnwise=True))
     dx = fq(dy, r.dy) @ wd
-    xw = qx if r.x_wgrad is None else fq(x, r.x_wgrad, columnwise=True)
+    xw = qx if r.x_wgrad is None else cast(fq(x, r.x_wgrad, columnwise=True))
     dw = fq(dy, r.dy_wgrad, columnwise=True).t() @ xw
     return y, dx, dw
 
@@ -75,6 +80,27 @@ def test_forward_and_backward_match_float64_reference(name, tokens):
     torch.testing.assert_close(xg.grad.double(), rdx, **tol)
     torch.testing.assert_close(layer.weight.grad.double(), rdw, **tol)
     torch.testing.assert_close(layer.bias.grad, dy.sum(0))
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_bf16_autocast_quantizes_fp32_masters_and_multiplies_in_bf16(name):
+    # The GPU trainer's path: fp32 master weights, bf16 autocast, backward outside autocast.
+    r = rne_only(recipe(name)).with_(lowrank=None)
+    x, w, b, dy = data(32)
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), r)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    xg = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(xg)
+    assert y.dtype == torch.bfloat16
+    y.backward(dy.bfloat16())
+    assert xg.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.float32
+    ry, rdx, rdw = reference(x, w, b, dy.bfloat16(), r, dtype=torch.bfloat16)
+    # Only bf16 roundings of fp32 results remain (of the product, then of the bias sum).
+    for got, want in ((y, ry), (xg.grad, rdx), (layer.weight.grad, rdw)):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2**-7 * float(want.abs().max()))
 
 
 def test_quantized_recipes_change_the_numbers():

@@ -42,23 +42,37 @@ def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
     return fake_quantize(tt.contiguous(), spec=spec, amax=amax).t()
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # The dtype F.linear would multiply in: autocast's when it is on (custom autograd functions
+    # are not autocast, and the backward runs outside the autocast region), else x's.
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class _QuantLinearFn(torch.autograd.Function):
-    """y = Q(x) Q(W)ᵀ + b; dx = Q(dy) Q(W); dW = Q(dyᵀ) Q(xᵀ)ᵀ, each Q from the recipe."""
+    """y = Q(x) Q(W)ᵀ + b; dx = Q(dy) Q(W); dW = Q(dyᵀ) Q(xᵀ)ᵀ, each Q from the recipe.
+
+    Operands are quantized in their own dtype (the fp32 master weight, not a bf16 copy of it) and
+    then cast to the compute dtype, which is also what the backward's operands are saved in.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, packed_w, recipe: Recipe, x_amax, w_amax):
+        dtype = _compute_dtype(x)
         qw = packed_w if packed_w is not None else quantize_operand(weight, recipe.w, w_amax)
-        qx = quantize_operand(x, recipe.x, x_amax)
+        qw = qw.to(dtype)
+        qx = quantize_operand(x, recipe.x, x_amax).to(dtype)
         y = qx @ qw.t()
         if bias is not None:
-            y = y + bias
+            y = y + bias.to(dtype)
         weight_grad = weight is not None and ctx.needs_input_grad[1]
         wd = qw if recipe.w_dgrad is None else quantize_operand(weight, recipe.w_dgrad,
-                                                                columnwise=True)
+                                                                columnwise=True).to(dtype)
         xw = None
         if weight_grad:
             xw = qx if recipe.x_wgrad is None else quantize_operand(x, recipe.x_wgrad,
-                                                                   columnwise=True)
+                                                                   columnwise=True).to(dtype)
         ctx.recipe, ctx.has_bias, ctx.weight_grad = recipe, bias is not None, weight_grad
         ctx.save_for_backward(wd, xw)
         return y

@@ -32,27 +32,36 @@ class RunRow:
 
 
 def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.PathLike, *,
-                   seed: int = 0, baseline_seeds: tuple[int, ...] = (),
-                   **overrides) -> list[RunRow]:
-    """Train `recipes` (and the BF16 baseline at extra `baseline_seeds`) from one config.
+                   seeds: tuple[int, ...] = (0,), baseline_seeds: tuple[int, ...] = (),
+                   train_missing: bool = True, **overrides) -> list[RunRow]:
+    """Train every recipe at every seed in `seeds` (and BF16 at the extra `baseline_seeds`) from
+    one config.
 
     Each run writes to out/<recipe>-s<seed>; a finished run (its result.json present) is reused,
-    so an interrupted comparison picks up where it stopped.
+    so an interrupted comparison picks up where it stopped. train_missing=False reports on the
+    finished runs only and trains nothing.
     """
     out = Path(out)
-    plan = [(r, seed) for r in recipes] + [(BASELINE, s) for s in baseline_seeds if s != seed]
+    if not seeds:
+        raise ValueError("seeds is empty; give at least one seed (e.g. --seeds 0)")
+    plan = [(r, s) for r in recipes for s in seeds]
+    plan += [(BASELINE, s) for s in baseline_seeds if s not in seeds or BASELINE not in recipes]
     rows = []
     for recipe, s in plan:
         run_dir = out / f"{recipe}-s{s}"
         done = run_dir / "result.json"
         if done.exists():
             result = json.loads(done.read_text())
+        elif not train_missing:
+            continue
         else:
             cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir), **overrides)
             result = train(cfg)
         rows.append(RunRow(recipe, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
                            int(result["steps"]), str(run_dir)))
+    if not rows:
+        raise FileNotFoundError(f"no finished runs in {out} (train_missing=False trains none)")
     write_report(rows, out)
     return rows
 
@@ -70,7 +79,7 @@ def format_table(rows: list[RunRow]) -> str:
     g = gaps(rows)
     lines = ["| recipe | seed | final val loss | gap to BF16 | tokens/s |",
              "|---|---:|---:|---:|---:|"]
-    for r in rows:
+    for r in (r for runs in _by_recipe(rows).values() for r in runs):
         gap = g[(r.recipe, r.seed)]
         gap_s = "n/a" if gap is None else f"{gap:+.2f}%"
         lines.append(f"| {r.recipe} | {r.seed} | {r.val_loss:.4f} | {gap_s} | "
@@ -79,6 +88,31 @@ def format_table(rows: list[RunRow]) -> str:
     if len(base) > 1:
         spread = 100.0 * (max(base) - min(base)) / statistics.fmean(base)
         lines.append(f"\nBF16 seed-to-seed spread (noise floor): {spread:.2f}%")
+    if any(len(v) > 1 for v in _by_recipe(rows).values()):
+        lines += ["", format_summary(rows)]
+    return "\n".join(lines)
+
+
+def _by_recipe(rows: list[RunRow]) -> dict[str, list[RunRow]]:
+    grouped: dict[str, list[RunRow]] = {}
+    for r in rows:
+        grouped.setdefault(r.recipe, []).append(r)
+    return grouped
+
+
+def format_summary(rows: list[RunRow]) -> str:
+    """One line per recipe: mean over its seeds of the final validation loss and of the gap."""
+    g = gaps(rows)
+    lines = ["| recipe | seeds | mean val loss | mean gap to BF16 | gap min..max |",
+             "|---|---:|---:|---:|---:|"]
+    for recipe, runs in _by_recipe(rows).items():
+        mean = statistics.fmean(r.val_loss for r in runs)
+        rg = [g[(r.recipe, r.seed)] for r in runs]
+        if None in rg:
+            gap_s = span = "n/a"
+        else:
+            gap_s, span = f"{statistics.fmean(rg):+.2f}%", f"{min(rg):+.2f}..{max(rg):+.2f}%"
+        lines.append(f"| {recipe} | {len(runs)} | {mean:.4f} | {gap_s} | {span} |")
     return "\n".join(lines)
 
 
@@ -91,30 +125,53 @@ def write_report(rows: list[RunRow], out: Path) -> None:
 
 
 def plot_curves(rows: list[RunRow], path: Path) -> None:
-    """Validation (markers) and training (thin) loss against tokens, one colour per run."""
+    """Left: validation (markers) and training (thin) loss against tokens. Right: each run's
+    validation loss as a gap to the mean BF16 one at the same step, in % (where the recipes
+    differ; the BF16 seeds' own gaps show the noise). Colour: recipe; line style: seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, r in enumerate(rows):
-        metrics = read_metrics(r.out)
-        colour = f"C{i % 10}"
-        train = [(m["tokens"], m["loss"]) for m in metrics if "loss" in m and not m.get("skipped")]
-        val = [(m["tokens"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 5))
+    colours = {recipe: f"C{i % 10}" for i, recipe in enumerate(_by_recipe(rows))}
+    styles = ("-", "--", ":", "-.")
+    seeds = sorted({r.seed for r in rows})
+    metrics = {(r.recipe, r.seed): read_metrics(r.out) for r in rows}
+    vals = {k: {m["step"]: (m["tokens"], m["val_loss"]) for m in ms if "val_loss" in m}
+            for k, ms in metrics.items()}
+    base = [vals[(r.recipe, r.seed)] for r in rows if r.recipe == BASELINE]
+    common = set.intersection(*(set(v) for v in base)) if base else set()
+    base_mean = {s: statistics.fmean(v[s][1] for v in base) for s in common}
+    for r in rows:
+        key = (r.recipe, r.seed)
+        colour, style = colours[r.recipe], styles[seeds.index(r.seed) % len(styles)]
         label = f"{r.recipe} (seed {r.seed})"
+        train = [(m["tokens"], m["loss"]) for m in metrics[key]
+                 if "loss" in m and not m.get("skipped")]
         if train:
             ax.plot(*zip(*train, strict=True), color=colour, alpha=0.35, linewidth=0.8)
-        if val:
-            ax.plot(*zip(*val, strict=True), "o-", color=colour, label=label, markersize=3)
+        points = sorted(vals[key].items())
+        if points:
+            ax.plot(*zip(*(p for _, p in points), strict=True), marker="o", linestyle=style,
+                    color=colour, label=label, markersize=3)
+        gap = [(t, 100.0 * (v - base_mean[s]) / base_mean[s]) for s, (t, v) in points
+               if s in base_mean]
+        if gap:
+            gx.plot(*zip(*gap, strict=True), marker="o", linestyle=style, color=colour,
+                    label=label, markersize=3)
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (thin: train, markers: validation)")
-    ax.set_title("Pretraining loss by recipe (same data, seed and tokens)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set_title("Pretraining loss by recipe (same data and tokens)")
+    gx.axhline(0.0, color="black", linewidth=0.8)
+    gx.set_xlabel("tokens")
+    gx.set_ylabel("validation loss gap to mean BF16 (%)")
+    gx.set_title("Gap to BF16 at each evaluation")
+    for a in (ax, gx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -125,10 +182,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config shared by every run")
     p.add_argument("--recipes", default="bf16,nvfp4,nvfp4-nvidia,lowrank",
                    help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
+    p.add_argument("--seeds", default="0",
+                   help="seeds every recipe runs at, comma-separated (default 0)")
     p.add_argument("--baseline-seeds", default="",
                    help="extra BF16 seeds, comma-separated, to show the noise floor (e.g. 1)")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    p.add_argument("--no-train", action="store_true",
+                   help="train nothing: report on the runs already finished in --out")
     p.add_argument("--max-steps", type=int, help="override the config's max_steps")
     p.add_argument("--data", help="override the config's data directory")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
@@ -138,10 +198,12 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     recipes = [r for r in args.recipes.split(",") if r]
-    seeds = tuple(int(s) for s in args.baseline_seeds.split(",") if s)
     try:
-        rows = run_comparison(args.config, recipes, args.out, seed=args.seed,
-                              baseline_seeds=seeds, max_steps=args.max_steps, data=args.data,
+        seeds = _seeds(args.seeds, "--seeds")
+        extra = _seeds(args.baseline_seeds, "--baseline-seeds")
+        rows = run_comparison(args.config, recipes, args.out, seeds=seeds,
+                              baseline_seeds=extra, train_missing=not args.no_train,
+                              max_steps=args.max_steps, data=args.data,
                               device=args.device)
     except (ValueError, FileNotFoundError) as e:
         print(f"fp4stack compare: error: {e}", file=sys.stderr)
@@ -149,3 +211,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print(f"\nwritten: {Path(args.out) / 'compare.md'}, compare.json, compare.png")
     return 0
+
+
+def _seeds(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None

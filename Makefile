@@ -4,7 +4,8 @@
 # (so no unpinned requirement can pull a multi-GB CUDA build), then the project. Stamp files in
 # the venv make re-runs fast; editing pyproject.toml triggers a re-install.
 #
-#   make demo               tiny pretraining comparison bf16 / nvfp4 / lowrank (CPU, a few minutes)
+#   make demo               tiny pretraining comparison (bf16 / nvfp4 / lowrank) and tiny RL
+#                           comparison (bf16 / fp8 / nvfp4 / nvfp4+tis / quads), CPU, a few minutes
 #   make test               ruff + pytest
 #   make lint               ruff only
 #   make clean              build outputs and caches (keeps the venv)
@@ -30,6 +31,7 @@ demo: $(VENV)/.installed-demo
 		--out runs/data/tiny
 	$(VENV)/bin/fp4stack compare --config configs/pretrain/tiny.yaml \
 		--recipes bf16,nvfp4,lowrank --out runs/compare/tiny
+	$(VENV)/bin/fp4stack rl-compare --config configs/rl/tiny.yaml --out runs/rl-compare/tiny
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)

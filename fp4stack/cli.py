@@ -238,18 +238,19 @@ DATA = Command(
 # ------------------------------------------------------------------- pretrain and compare
 
 
-def _lazy(module: str) -> dict:
-    """add_arguments / run of a module that defines both, imported only when the command runs
+def _lazy(module: str, add: str = "add_arguments", run: str = "run") -> dict:
+    """The `add` and `run` functions of `module`, imported only when the command runs
     (training pulls in heavy imports that `fp4stack --help` should not pay for)."""
     from importlib import import_module
 
     def add_arguments(p: argparse.ArgumentParser) -> None:
-        import_module(module, __package__).add_arguments(p)
+        getattr(import_module(module, __package__), add)(p)
 
-    def run(args: argparse.Namespace) -> int:
-        return import_module(module, __package__).run(args)
+    def run_command(args: argparse.Namespace) -> int:
+        return getattr(import_module(module, __package__), run)(args)
 
-    return {"add_arguments": add_arguments, "run": run}
+    return {"add_arguments": add_arguments, "run": run_command}
+
 
 
 PRETRAIN = Command(
@@ -274,7 +275,30 @@ COMPARE = Command(
     **_lazy(".train.compare"),
 )
 
-COMMANDS: tuple[Command, ...] = (QUANT_ERROR, ANALYZE, DATA, PRETRAIN, COMPARE)
+RL = Command(
+    name="rl",
+    help="GRPO reinforcement learning with the rollout in bf16, fp8, nvfp4 or quads precision",
+    description=(
+        "Train a policy with GRPO on a task with verifiable rewards. The rollout engine runs in "
+        "the precision --rollout names and is refitted from the trainer (self-checked) after "
+        "every update. Writes DIR/metrics.jsonl (reward, k1, k3, |dlogp|, chi2, ESS, entropy, "
+        "response length; pass@1 on evaluation steps) and DIR/result.json."
+    ),
+    **_lazy(".rl.command", add="add_rl_arguments", run="run_rl_command"),
+)
+
+RL_COMPARE = Command(
+    name="rl-compare",
+    help="RL from one start with bf16, fp8, nvfp4, nvfp4+TIS and quads rollouts; table and plot",
+    description=(
+        "Run GRPO once per rollout precision from the same SFT start, seed and prompts, then write "
+        "DIR/rl_compare.md (final reward and pass@1, mean and max k3), rl_compare.json and "
+        "rl_compare.png (k3 and reward per step). Finished runs are reused."
+    ),
+    **_lazy(".rl.command", add="add_compare_arguments", run="run_compare_command"),
+)
+
+COMMANDS: tuple[Command, ...] = (QUANT_ERROR, ANALYZE, DATA, PRETRAIN, COMPARE, RL, RL_COMPARE)
 
 
 # ------------------------------------------------------------------------------------ main

@@ -3,6 +3,14 @@
 Module names follow Qwen3 / Qwen3-MoE in transformers (model.embed_tokens, model.layers[i].self_attn
 .q_proj, .mlp.gate_proj, .mlp.experts, model.norm, lm_head), so conversion rules written for HF
 models apply here too. The one difference: the MoE router is `.mlp.router.gate` (HF: `.mlp.gate`).
+
+Left-padded batches (prompts of different lengths right-aligned, as a batched rollout engine
+feeds them) run through `attention_mask` [B, L]: 1 for a real token, 0 for padding, covering every
+position so far (cached ones plus the new columns). A real token's position is the number of real
+tokens before it and it attends causally to real tokens only, so each row gives the logits it
+would give alone, unpadded, to fp32 rounding. Pad tokens still run through every layer (their
+outputs are meaningless and must be ignored); a pad query, having no real key to read, attends to
+itself, which keeps it finite.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn.moe import Experts, MoEBlock, record_routing, replay_routing
+from ..nn.moe import Experts, MoEBlock, load_balance_loss, record_routing, replay_routing
 
 
 @dataclass
@@ -95,21 +103,23 @@ class GPTConfig:
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """fp32 cos and sin [S, head_dim] in the rotate-half layout of HF Llama/Qwen."""
+    """fp32 cos and sin [..., head_dim] for positions [...] ([S] or per row [B, S]), in the
+    rotate-half layout of HF Llama/Qwen."""
     # Computed per forward, not stored as buffers, so model.to(bf16) cannot round them.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                               dtype=torch.float32) / head_dim))
-    freqs = torch.outer(positions.float(), inv_freq)
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, S, H, hd] rotated by position; cos/sin [S, hd]."""
+    """x [B, S, H, hd] rotated by position; cos/sin [S, hd] or per row [B, S, hd]."""
     # At least fp32: bf16 q/k rotated in bf16 would lose position information at long range.
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]).to(x.dtype)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class KVCache:
@@ -146,7 +156,8 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
+                mask: Tensor | None = None) -> Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
@@ -157,15 +168,22 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
-        y = self.attend(q, k, v)
+        # Without a mask, the three-argument call that attend overrides written before masks expect.
+        y = self.attend(q, k, v) if mask is None else self.attend(q, k, v, mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal attention: q [B, H, S, hd] are the last S of the L positions in k, v
-        [B, Hkv, L, hd]. The one place attention is computed, for an FP4 attention to override."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Attention of q [B, H, S, hd], the last S of the L positions in k, v [B, Hkv, L, hd].
+
+        mask None: causal. Otherwise mask is a boolean "may attend" tensor [B, 1, S, L] that
+        already holds causality, padding and a True diagonal (so no query row is all False); it is
+        used as given. The one place attention is computed, for an FP4 attention to override.
+        """
         if self.n_kv_heads != self.n_heads:  # query head h reads K/V head h // rep (HF repeat_kv)
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         S, L = q.shape[2], k.shape[2]
         if S == L:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -195,9 +213,40 @@ class Block(nn.Module):
         self.mlp = (MoEBlock(cfg.dim, cfg.moe_hidden, cfg.n_experts, cfg.top_k,
                              cfg.norm_topk_prob) if cfg.moe else MLP(cfg.dim, cfg.ffn_hidden))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
+                mask: Tensor | None = None, real: Tensor | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+        h = self.post_attention_layernorm(x)
+        if real is None or not isinstance(self.mlp, MoEBlock):
+            return x + self.mlp(h)
+        return x + _moe_real_tokens_aux_loss(self.mlp, h, real)
+
+
+def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real: Tensor) -> Tensor:
+    """moe(h) for h [B, S, D], its aux loss then recomputed over the real tokens (real [B, S])."""
+    # Every token, pads included, goes through the block, so routing records keep their
+    # [B, S, k] shape; a hook on the router catches its logits and choices to drop the pads.
+    routed: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+    handle = moe.router.register_forward_hook(lambda _m, _args, out: routed.update(out=out))
+    try:
+        y = moe(h)
+    finally:
+        handle.remove()
+    _, indices, logits = routed["out"]
+    keep = real.reshape(-1)
+    n_real = int(keep.sum())  # a host sync, as the expert loop already has one
+    if 0 < n_real < keep.numel():  # all pads: keep the block's own loss, finite if meaningless
+        moe.aux_loss = load_balance_loss(logits[keep], indices[keep], moe.router.n_experts)
+    return y
+
+
+def padded_causal_mask(real: Tensor, new: int) -> Tensor:
+    """The "may attend" mask [B, 1, new, L] of the last `new` of L positions, real [B, L] bool:
+    causal, real keys only, and each query its own key (a pad query has no real one)."""
+    L = real.shape[1]
+    q_pos = torch.arange(L - new, L, device=real.device)[:, None]
+    k_pos = torch.arange(L, device=real.device)[None, :]
+    return ((k_pos <= q_pos) & real[:, None, None, :]) | (k_pos == q_pos)
 
 
 class Transformer(nn.Module):
@@ -210,16 +259,29 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
-    def forward(self, idx: Tensor, kv_caches: list[KVCache] | None = None) -> Tensor:
+    def forward(self, idx: Tensor, kv_caches: list[KVCache] | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """Final hidden states [B, S, D]; attention_mask as in GPT.forward."""
+        B, S = idx.shape
         start = kv_caches[0].pos if kv_caches else 0
-        if start + idx.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds "
+        if start + S > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + S} tokens exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
-        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        mask = real = None
+        if attention_mask is None:
+            positions = torch.arange(start, start + S, device=idx.device)
+        else:
+            if attention_mask.shape != (B, start + S):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, "
+                                 f"expected (batch, cached + new) = {(B, start + S)}")
+            real_all = attention_mask.to(idx.device) != 0
+            # A real token's position counts the real tokens before it; pads clamp to 0.
+            positions = (real_all.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+            mask, real = padded_causal_mask(real_all, S), real_all[:, start:]
         cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None)
+            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real)
         return self.norm(x)
 
 
@@ -251,11 +313,17 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
-                kv_caches: list[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+                kv_caches: list[KVCache] | None = None,
+                attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits for every position; with targets, loss = CE (ignore_index -100) plus
         aux_loss_coef * the summed MoE load-balance losses. With kv_caches (one KVCache per
-        layer) idx continues the positions already cached, as in generate()."""
-        logits = self.lm_head(self.model(idx, kv_caches))
+        layer) idx continues the positions already cached, as in generate().
+
+        attention_mask [B, L] (bool or 0/1) marks real tokens (1) and padding (0) over all L =
+        cached + S positions; pass the grown mask at every decoding step. Logits at pad positions
+        are meaningless: give them target -100. The MoE aux loss counts real tokens only.
+        """
+        logits = self.lm_head(self.model(idx, kv_caches, attention_mask))
         moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
         self.aux_loss = torch.stack([m.aux_loss for m in moe]).sum() if moe else None
         if targets is None:
@@ -284,8 +352,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 attention_mask: Tensor | None = None) -> Tensor:
         """Sample max_new_tokens after idx [B, S] with a KV cache; temperature 0 is greedy.
+
+        attention_mask [B, S] marks the real tokens of a left-padded prompt batch; generated
+        tokens count as real. The output keeps the padding: [B, S + max_new_tokens].
 
         Inside record_routing this records the routing of every token fed to the model, i.e. of
         the returned sequence without its last token: replay it on `out[:, :-1]`.
@@ -295,12 +367,15 @@ class GPT(nn.Module):
             raise ValueError(f"prompt + max_new_tokens - 1 = {total} exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
         caches = [KVCache(max(total, idx.shape[1])) for _ in self.model.layers]
-        logits, _ = self(idx, kv_caches=caches)
+        mask = None if attention_mask is None else attention_mask.to(idx.device) != 0
+        logits, _ = self(idx, kv_caches=caches, attention_mask=mask)
         for i in range(max_new_tokens):
             nxt = sample(logits[:, -1], temperature, top_k, generator)
             idx = torch.cat((idx, nxt), dim=1)
             if i < max_new_tokens - 1:
-                logits, _ = self(nxt, kv_caches=caches)
+                if mask is not None:
+                    mask = torch.cat((mask, torch.ones_like(nxt, dtype=torch.bool)), dim=1)
+                logits, _ = self(nxt, kv_caches=caches, attention_mask=mask)
         return idx
 
 

@@ -153,6 +153,7 @@ def _presets() -> dict[str, Recipe]:
         ),
         "lowrank": nvfp4.with_(name="lowrank", lowrank=LowRank()),
         "qat-w": Recipe("qat-w", w=rne),
+        "w8a8": Recipe("w8a8", x=fp8, w=fp8),  # FP8 rollouts: 1x128 activations, 128 weights
         "w4a4": w4a4,
         "w4a4-rc": w4a4.with_(name="w4a4-rc", compensation=ResidualCompensation()),
     }
@@ -162,7 +163,7 @@ PRESETS: dict[str, Recipe] = _presets()
 
 
 def recipe(name: str) -> Recipe:
-    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, w4a4, w4a4-rc."""
+    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, w8a8, w4a4, w4a4-rc."""
     if isinstance(name, Recipe):
         return name
     if name not in PRESETS:

@@ -60,7 +60,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                print("fp4stack pretrain: tensorboard is not installed; logging to "
+                print("fp4stack: tensorboard is not installed; logging to "
                       f"{path} only", file=sys.stderr)
             else:
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)

@@ -1,0 +1,84 @@
+"""`fp4stack rl` and `fp4stack rl-compare` (registered in fp4stack/cli.py).
+
+    fp4stack rl --config configs/rl/tiny.yaml --rollout quads --trainer qat-w --steps 50
+    fp4stack rl-compare --config configs/rl/tiny.yaml --out runs/rl-compare/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (presets: configs/rl/*.yaml); default: the "
+                   "built-in defaults (tiny MoE GPT on 2-digit addition)")
+    p.add_argument("--steps", type=int, help="GRPO steps (default: the config's)")
+    p.add_argument("--task", help="built-in task (arithmetic:add, countdown, ...) or "
+                   "package.module:callable")
+    p.add_argument("--seed", type=int, help="seed of init, prompts and sampling")
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+
+
+def add_rl_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--rollout", choices=("bf16", "fp8", "nvfp4", "quads"),
+                   help="rollout precision (default: the config's)")
+    p.add_argument("--trainer", choices=("bf16", "qat-w"), help="trainer recipe")
+    p.add_argument("--correction",
+                   choices=("none", "token-tis", "token-mis", "seq-tis", "seq-mis"),
+                   help="rollout correction (importance weights on the policy loss)")
+    p.add_argument("--routing-replay", action="store_true", default=None,
+                   help="replay the rollout's MoE routing in the trainer")
+    p.add_argument("--out", help="output directory; {rollout} and {trainer} are filled in")
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--runs", default="bf16,fp8,nvfp4,nvfp4+tis,quads",
+                   help="comma-separated runs (default bf16,fp8,nvfp4,nvfp4+tis,quads)")
+    p.add_argument("--out", default="runs/rl-compare", help="output directory")
+
+
+def _config(args: argparse.Namespace, **extra):
+    from .config import load_rl_config
+
+    return load_rl_config(args.config, steps=args.steps, task=args.task, seed=args.seed,
+                          device=args.device, **extra)
+
+
+def _fail(command: str, e: Exception) -> int:
+    print(f"fp4stack {command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def run_rl_command(args: argparse.Namespace) -> int:
+    from .metrics import MismatchAlarmError
+    from .sync import WeightSyncError
+    from .trainer import run_rl
+
+    try:
+        cfg = _config(args, rollout=args.rollout, trainer=args.trainer,
+                      correction=args.correction, routing_replay=args.routing_replay,
+                      out=args.out)
+        result = run_rl(cfg)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        return _fail("rl", e)
+    except (WeightSyncError, MismatchAlarmError) as e:
+        print(f"fp4stack rl: stopped: {e}", file=sys.stderr)
+        return 1
+    print(f"done: final reward {result['final_reward']:.3f}, pass@1 "
+          f"{result['final_pass_at_1']}, mean k3 {result['k3_mean']:.2e}; {result['out']}")
+    return 0
+
+
+def run_compare_command(args: argparse.Namespace) -> int:
+    from .compare import format_table, run_rl_comparison
+
+    try:
+        rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        return _fail("rl-compare", e)
+    print(format_table(rows))
+    print(f"\nwritten: {args.out}/rl_compare.md, rl_compare.json, rl_compare.png")
+    return 0

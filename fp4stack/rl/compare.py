@@ -1,0 +1,101 @@
+"""`fp4stack rl-compare`: rollout precisions side by side from the same SFT start.
+
+The runs: bf16 (BF16 rollout, BF16 trainer), fp8 (W8A8 rollout), nvfp4 (naive W4A4 rollout),
+nvfp4+token-tis (the same with truncated importance sampling) and quads (W4A4 + residual
+compensation rollout, qat-w trainer). Writes DIR/rl_compare.md (final reward and pass@1, mean and
+max k3), rl_compare.json and rl_compare.png (k3 and reward per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..train.metrics import read_metrics
+from .config import RLConfig
+from .trainer import run_rl
+
+# name -> (rollout, trainer, correction)
+RUNS = {
+    "bf16": ("bf16", "bf16", "none"),
+    "fp8": ("fp8", "bf16", "none"),
+    "nvfp4": ("nvfp4", "bf16", "none"),
+    "nvfp4+tis": ("nvfp4", "bf16", "token-tis"),
+    "quads": ("quads", "qat-w", "none"),
+}
+
+
+def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
+                      log=print) -> list[dict[str, Any]]:
+    """Train each named run from `cfg` (same seed, task and SFT start) into out/<name>; a
+    finished run (result.json present) is reused."""
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise ValueError(f"unknown runs {unknown}; choose from {list(RUNS)}")
+    out = Path(out)
+    rows = []
+    for name in runs:
+        rollout, trainer, correction = RUNS[name]
+        run_dir = out / name
+        done = run_dir / "result.json"
+        if done.exists():
+            result = json.loads(done.read_text())
+        else:
+            run_cfg = cfg.with_overrides(rollout=rollout, trainer=trainer, correction=correction,
+                                         out=str(run_dir))
+            result = run_rl(run_cfg, log=log, cache_dir=out / "sft")
+        rows.append({"run": name, **result})
+    write_report(rows, out)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| run | rollout | trainer | final reward | final pass@1 | mean k3 | max k3 |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        p1 = r.get("final_pass_at_1")
+        lines.append(f"| {r['run']} | {r['rollout']} | {r['trainer']} | {r['final_reward']:.3f} "
+                     f"| {'n/a' if p1 is None else f'{p1:.3f}'} | {r['k3_mean']:.2e} | "
+                     f"{r['k3_max']:.2e} |")
+    return "\n".join(lines)
+
+
+def write_report(rows: list[dict[str, Any]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rl_compare.md").write_text(format_table(rows) + "\n")
+    (out / "rl_compare.json").write_text(json.dumps(rows, indent=1))
+    with contextlib.suppress(ImportError):  # matplotlib is optional
+        plot(rows, out / "rl_compare.png")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """k3 per step (log scale) and reward per step (pass@1 as markers), one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (kx, rx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for i, r in enumerate(rows):
+        metrics = [m for m in read_metrics(r["out"]) if "k3" in m]
+        colour = f"C{i % 10}"
+        steps = [m["step"] for m in metrics]
+        kx.plot(steps, [max(float(m["k3"]), 1e-12) for m in metrics], color=colour,
+                label=r["run"])
+        rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=r["run"])
+        evals = [(m["step"], m["pass_at_1"]) for m in read_metrics(r["out"]) if "pass_at_1" in m]
+        if evals:
+            rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
+    kx.set_yscale("log")
+    kx.set_title("trainer-rollout mismatch k3 per step")
+    rx.set_title("reward per step (line), greedy pass@1 (markers)")
+    for ax in (kx, rx):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

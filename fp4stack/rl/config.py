@@ -1,0 +1,128 @@
+"""RLConfig: every knob of a GRPO run, loaded from YAML and checked strictly (ValueError naming
+the field and the fix), like PretrainConfig."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..train.config import _float, _int, _suggest
+from .rollout import PRECISIONS
+
+TRAINERS = ("bf16", "qat-w")
+CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
+ALARM_ACTIONS = ("off", "warn", "stop")
+
+
+@dataclass
+class RLConfig:
+    """One GRPO run: policy, task, rollout precision, trainer recipe and the loop's sizes."""
+
+    # policy: {kind: gpt, <GPTConfig field>: ...} (trained from scratch, SFT warm-up first),
+    # {kind: smollm2} or {kind: hf, path: DIR}; upcycle: {n_experts: E, top_k: k} for dense ones.
+    policy: dict[str, Any] = field(default_factory=lambda: {"kind": "gpt", "preset": "tiny-moe"})
+    upcycle: dict[str, int] | None = None
+    task: str = "arithmetic:add"  # built-in name or package.module:callable
+    task_options: dict[str, Any] = field(default_factory=dict)
+    sft_steps: int = 300  # SFT warm-up on the task's reference completions (0: none)
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 64
+    rollout: str = "quads"  # bf16, fp8, nvfp4, quads
+    compensation: float = 0.05  # quads: fraction of input channels compensated
+    logprobs: str = "score"  # the engine's log-probs: "score" (one forward) or "sample"
+    trainer: str = "qat-w"  # bf16 or qat-w
+    correction: str = "none"  # rollout correction: none, token-tis, token-mis, seq-tis, seq-mis
+    correction_cap: float = 2.0
+    routing_replay: bool = False
+    steps: int = 50
+    prompts_per_step: int = 16
+    group_size: int = 8
+    micro_batch_size: int = 64  # sequences per trainer forward
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # k3 KL to the initial policy (kept in BF16); 0: no reference model
+    eval_every: int = 10  # steps between pass@1 evaluations on the task's test set
+    eval_size: int = 200  # test prompts per evaluation (greedy, in the rollout precision)
+    alarm_k3: float = 0.05  # k3 threshold of the mismatch alarm
+    alarm: str = "warn"  # off, warn or stop
+    seed: int = 0
+    device: str = "auto"
+    out: str = "runs/rl/{rollout}-{trainer}"
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out.replace("{rollout}", self.rollout).replace("{trainer}", self.trainer))
+
+    @property
+    def run_name(self) -> str:
+        extra = f"+{self.correction}" if self.correction != "none" else ""
+        return f"{self.rollout}{extra}"
+
+    def __post_init__(self) -> None:
+        choices = {"rollout": tuple(PRECISIONS), "trainer": TRAINERS, "correction": CORRECTIONS,
+                   "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got "
+                                 f"{getattr(self, name)!r}")
+        for name, minimum in (("sft_steps", 0), ("sft_batch_size", 1), ("steps", 1),
+                              ("prompts_per_step", 1), ("group_size", 2),
+                              ("micro_batch_size", 1), ("max_new_tokens", 1),
+                              ("eval_every", 0), ("eval_size", 1), ("seed", 0)):
+            _int(name, getattr(self, name), minimum)
+        for name in ("sft_lr", "lr", "weight_decay", "grad_clip", "clip_low", "clip_high",
+                     "kl_coef", "alarm_k3", "temperature", "correction_cap"):
+            setattr(self, name, _float(name, getattr(self, name)))
+        if not 0 < float(self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 < float(self.compensation) <= 1:
+            raise ValueError(f"compensation is a fraction of channels in (0, 1], got "
+                             f"{self.compensation!r}")
+        if self.correction_cap <= 0:
+            raise ValueError("correction_cap must be > 0")
+        if not isinstance(self.policy, dict) or "kind" not in self.policy:
+            raise ValueError("policy must be a mapping with a kind: gpt, smollm2 or hf")
+        if self.policy["kind"] not in ("gpt", "smollm2", "hf"):
+            raise ValueError(f"policy.kind must be gpt, smollm2 or hf, got {self.policy['kind']!r}")
+        if self.upcycle is not None and set(self.upcycle) - {"n_experts", "top_k"}:
+            raise ValueError("upcycle takes n_experts and top_k, got "
+                             f"{sorted(self.upcycle)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_overrides(self, **overrides: Any) -> RLConfig:
+        """A validated copy with the non-None overrides applied (CLI flags)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_rl_config(path: str | os.PathLike | None = None, **overrides: Any) -> RLConfig:
+    """Read a YAML config (None: the defaults) and apply overrides (None values ignored)."""
+    import yaml
+
+    d: dict[str, Any] = {}
+    source = str(path or "config")
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config {path} not found (presets: configs/rl/*.yaml)")
+        d = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: expected a mapping of config keys")
+    known = {f.name for f in fields(RLConfig)}
+    for key in d:
+        if key not in known:
+            raise ValueError(f"{source}: unknown key {key!r}{_suggest(str(key), known)}; "
+                             f"known keys: {sorted(known)}")
+    try:
+        return RLConfig(**d).with_overrides(**overrides)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from e

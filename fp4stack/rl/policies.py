@@ -1,0 +1,105 @@
+"""Policies for RL: fp4stack's GPT (trained from scratch: an SFT warm-up on the task's format
+first, so rewards are not all zero) or a Hugging Face causal LM (SmolLM2-135M offline, or a
+directory), optionally upcycled from dense to MoE; and the SFT warm-up itself."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.char_tokenizer import CharTokenizer
+from ..data.tasks import Task
+from ..models.gpt import GPT
+from ..train.config import MODEL_PRESETS, _suggest
+from . import policy as lm
+
+
+def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int,
+                 max_len: int) -> tuple[nn.Module, lm.TokenizerLike]:
+    """(model in fp32 on CPU, tokenizer) from a config's `policy` and `upcycle` entries."""
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    if kind == "gpt":
+        tokenizer = CharTokenizer()
+        preset = spec.pop("preset", "tiny-moe")
+        if preset not in MODEL_PRESETS:
+            raise ValueError(f"policy.preset {preset!r} is unknown"
+                             f"{_suggest(preset, MODEL_PRESETS)}; choose one of "
+                             f"{sorted(MODEL_PRESETS)}")
+        spec.setdefault("max_seq_len", max_len)
+        torch.manual_seed(seed)
+        try:
+            model = GPT(MODEL_PRESETS[preset](vocab_size=tokenizer.vocab_size, **spec))
+        except TypeError as e:
+            raise ValueError(f"policy: {e}") from e
+        if upcycle:
+            from ..models.upcycle import upcycle_gpt
+
+            model = upcycle_gpt(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
+        return model, tokenizer
+    from ..analysis.sample_models import hf_directory, smollm2
+
+    loaded = smollm2() if kind == "smollm2" else hf_directory(spec["path"])
+    if loaded.tokenizer is None:
+        raise ValueError(f"policy {kind}: the model has no tokenizer; RL needs one")
+    model = loaded.model.float()
+    if upcycle:
+        from ..models.upcycle import upcycle_hf
+
+        upcycle_hf(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
+    return model, lm.HFTokenizer(loaded.tokenizer)
+
+
+def encode_example(tokenizer: lm.TokenizerLike, prompt: str, completion: str | None = None
+                   ) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids + EOS); the completion is empty when not given."""
+    p = tokenizer.encode(prompt)
+    c = [] if completion is None else tokenizer.encode(completion) + [tokenizer.eos_id]
+    return p, c
+
+
+def sft_warmup(model: nn.Module, tokenizer: lm.TokenizerLike, task: Task, *, steps: int,
+               batch_size: int, lr: float, seed: int, device: torch.device,
+               log=print) -> list[float]:
+    """Supervised warm-up on the task's reference completions (loss on completion tokens only,
+    AdamW, cosine decay). Returns the loss of every step."""
+    if steps == 0:
+        return []
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=lr / 10)
+    stream = task.train_examples(seed + 10_000)  # a seed range the RL prompts do not use
+    rng = random.Random(seed)
+    losses = []
+    for i in range(steps):
+        rows = [encode_example(tokenizer, e.prompt, task.completion(e))
+                for e in (next(stream) for _ in range(batch_size))]
+        rng.shuffle(rows)
+        width = max(len(p) + len(c) for p, c in rows)
+        tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        target = torch.zeros(len(rows), width, dtype=torch.bool)
+        for r, (p, c) in enumerate(rows):  # left-padded, as the rollout engine lays prompts out
+            seq = p + c
+            tokens[r, width - len(seq):] = torch.tensor(seq)
+            mask[r, width - len(seq):] = True
+            target[r, width - len(c):] = True
+        tokens, mask, target = tokens.to(device), mask.to(device), target.to(device)
+        logits = lm.forward_logits(model, tokens, mask)[:, :-1].float()
+        loss = F.cross_entropy(logits[target[:, 1:]], tokens[:, 1:][target[:, 1:]])
+        if isinstance(model, GPT) and model.aux_loss is not None:  # keep MoE routers balanced
+            loss = loss + model.config.aux_loss_coef * model.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if (i + 1) % max(1, steps // 5) == 0 or i == steps - 1:
+            log(f"sft step {i + 1}/{steps} | loss {loss.item():.4f}")
+    model.eval()
+    return losses

@@ -1,0 +1,100 @@
+"""One interface over the causal LMs RL drives: fp4stack's GPT and Hugging Face models.
+
+Both take left-padded batches: prompts of different lengths are right-aligned, `mask` [B, L] marks
+real tokens, and each row's positions count only its real tokens. `step` runs new columns against
+a KV cache (rollout decoding); `token_logprobs` scores whole sequences (trainer, engine scoring).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..models.gpt import GPT, KVCache
+
+
+class TokenizerLike(Protocol):
+    """What RL needs of a tokenizer (CharTokenizer has it; `HFTokenizer` wraps transformers')."""
+
+    pad_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids) -> str: ...
+
+
+class HFTokenizer:
+    """A transformers tokenizer seen through `TokenizerLike` (no special tokens added)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id: RL needs one to stop sequences")
+        self.eos_id = int(tokenizer.eos_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def positions(mask: Tensor) -> Tensor:
+    """Position of every column: the number of real tokens before it in its row (pads: 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def new_cache(model: nn.Module, batch: int, max_len: int) -> Any:
+    """An empty KV cache for `model` holding `max_len` positions."""
+    if isinstance(model, GPT):
+        return [KVCache(max_len) for _ in model.model.layers]
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def step(model: nn.Module, idx: Tensor, mask: Tensor, cache: Any) -> Tensor:
+    """Logits [B, S, V] for the new columns idx [B, S]; mask [B, L] covers cached + new columns."""
+    if isinstance(model, GPT):
+        logits, _ = model(idx, kv_caches=cache, attention_mask=mask)
+        return logits
+    pos = positions(mask)[:, -idx.shape[1]:]
+    out = model(input_ids=idx, attention_mask=mask.long(), position_ids=pos,
+                past_key_values=cache, use_cache=True)
+    return out.logits
+
+
+def forward_logits(model: nn.Module, tokens: Tensor, mask: Tensor) -> Tensor:
+    """Logits [B, L, V] of a whole left-padded batch (no cache)."""
+    if isinstance(model, GPT):
+        logits, _ = model(tokens, attention_mask=mask)
+        return logits
+    return model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions(mask),
+                 use_cache=False).logits
+
+
+def token_logprobs(model: nn.Module, tokens: Tensor, mask: Tensor, temperature: float = 1.0,
+                   entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log p(tokens[:, t] | tokens[:, :t]) at every column t >= 1, [B, L] float32 (column 0 and
+    pad columns hold 0). The sampling temperature divides the logits, as the engine sampled.
+    entropy=True also returns the (detached) entropy of each column's distribution."""
+    logits = forward_logits(model, tokens, mask)[:, :-1].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = F.pad(logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))
+    lp = lp.masked_fill(~mask.bool(), 0.0)
+    if not entropy:
+        return lp
+    with torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    return lp, F.pad(ent, (1, 0)).masked_fill(~mask.bool(), 0.0)

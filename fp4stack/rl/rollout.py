@@ -1,0 +1,187 @@
+"""The rollout engine: batched sampling with a KV cache, in the precision one flag names.
+
+    bf16   the policy as it is (BF16 on GPU, fp32 on CPU)
+    fp8    W8A8: weights and activations FP8 E4M3 with 1x128 block scales (recipe w8a8)
+    nvfp4  naive W4A4: packed NVFP4 weights, activations quantized online (recipe w4a4)
+    quads  W4A4 plus activation residual compensation (recipe w4a4-rc)
+
+The engine holds its own converted copy of the policy; `sync(trainer)` refits it from the trainer
+through the shared quantize path and self-checks every tensor (fp4stack.rl.sync).
+
+Log-probs. logprobs="score" (default) scores the finished batch in one forward of the engine's
+own model: the same function the trainer runs, so equal precisions give bit-equal log-probs and
+the mismatch metrics measure precision alone. logprobs="sample" returns the values of the
+decoding steps themselves (no extra forward; they can differ from a full forward in the last
+bits, as cached decoding multiplies in other shapes). Either way they are log-probs under the
+temperature-scaled distribution, before top-p truncation, which is what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..convert import quantize_model
+from ..nn.moe import record_routing
+from ..nn.recipe import recipe as get_recipe
+from . import policy as lm
+from .sync import export_weights, load_weights
+
+PRECISIONS = {"bf16": None, "fp8": "w8a8", "nvfp4": "w4a4", "quads": "w4a4-rc"}
+
+
+@dataclass
+class Rollout:
+    """A left-padded batch of prompt + response; every [B, L] tensor shares the columns."""
+
+    tokens: Tensor          # prompt (right-aligned in prompt_len columns), then the response
+    mask: Tensor            # real tokens: prompt and response up to and including EOS
+    response_mask: Tensor   # response tokens only
+    logprobs: Tensor        # the engine's log-prob of each response token (0 elsewhere)
+    prompt_len: int
+    routing: dict[str, Tensor] | None = None  # experts of every position, for routing replay
+
+    def responses(self) -> list[list[int]]:
+        """Each row's response token ids (EOS included when it was sampled)."""
+        out = []
+        for row, keep in zip(self.tokens, self.response_mask, strict=True):
+            out.append(row[keep.bool()].tolist())
+        return out
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.response_mask.sum(-1)
+
+
+def sample_next(logits: Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """(next token [B], its log-prob under softmax(logits / temperature) [B]); greedy at
+    temperature 0 (log-prob then under temperature 1)."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    if temperature == 0:
+        nxt = logits.argmax(dim=-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest set reaching p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
+def _drop_forward_results(model: nn.Module) -> None:
+    # Tensors a forward leaves on modules (MoE aux losses) carry autograd graphs, which
+    # deepcopy refuses; they are per-forward results, so they are simply dropped.
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, Tensor) and value.grad_fn is not None:
+                setattr(module, name, None)
+
+
+class RolloutEngine:
+    """Samples responses from a converted copy of `model` in `precision` (see the module doc).
+
+    Build it from the unconverted policy, before the trainer converts its own copy; call
+    `sync(trainer_model)` before the first `generate` and after every update.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: lm.TokenizerLike, precision: str = "quads", *,
+                 temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 32,
+                 logprobs: str = "score", compensation: float | int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        if logprobs not in ("score", "sample"):
+            raise ValueError(f"logprobs must be 'score' or 'sample', got {logprobs!r}")
+        if not temperature >= 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1; got "
+                             f"{temperature}, {top_p}, {max_new_tokens}")
+        self.precision, self.tokenizer = precision, tokenizer
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.logprobs = logprobs
+        _drop_forward_results(model)
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        if dtype is not None:
+            self.model.to(dtype)  # before packing: packed data, scales and amax keep their dtypes
+        self.recipe = None
+        self.amax_groups: list[list[str]] = []
+        if PRECISIONS[precision] is not None:
+            self.recipe = get_recipe(PRECISIONS[precision])
+            if compensation is not None and self.recipe.compensation is not None:
+                comp = self.recipe.compensation
+                self.recipe = self.recipe.with_(compensation=type(comp)(k=compensation,
+                                                                        mode=comp.mode))
+            summary = quantize_model(self.model, self.recipe)
+            self.amax_groups = summary.shared_amax
+        self.syncs = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sync(self, trainer: nn.Module) -> int:
+        """Refit from `trainer` and self-check; returns the number of tensors verified."""
+        checked = load_weights(self.model, export_weights(trainer, self.model, self.amax_groups))
+        self.syncs += 1
+        return checked
+
+    def _pad_prompts(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs a non-empty list of non-empty prompts")
+        width = max(len(p) for p in prompts)
+        tokens = torch.full((len(prompts), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = True
+        return tokens.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], generator: torch.Generator | None = None,
+                 record: bool = False) -> Rollout:
+        """Sample one response per prompt (repeat a prompt G times for a GRPO group).
+        record=True also records every MoE block's experts for routing replay."""
+        tokens, mask = self._pad_prompts(prompts)
+        B, P = tokens.shape
+        cache = lm.new_cache(self.model, B, P + self.max_new_tokens)
+        eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id
+        done = torch.zeros(B, dtype=torch.bool, device=tokens.device)
+        new, new_lp, alive = [], [], []
+        with record_routing(self.model) as decode_routing:
+            logits = lm.step(self.model, tokens, mask, cache)[:, -1]
+            for i in range(self.max_new_tokens):
+                nxt, lp = sample_next(logits, self.temperature, self.top_p, generator)
+                nxt = nxt.masked_fill(done, pad)
+                new.append(nxt)
+                new_lp.append(lp)
+                alive.append(~done)
+                done = done | (nxt == eos)
+                if done.all() or i == self.max_new_tokens - 1:
+                    break
+                mask = torch.cat((mask, alive[-1][:, None]), dim=1)  # EOS itself is real
+                logits = lm.step(self.model, nxt[:, None], mask, cache)[:, -1]
+        response_mask = torch.stack(alive, dim=1)
+        full_tokens = torch.cat((tokens, torch.stack(new, dim=1)), dim=1)
+        prompt_mask = full_tokens.new_zeros(full_tokens.shape, dtype=torch.bool)
+        prompt_mask[:, :P] = self._pad_prompts(prompts)[1]
+        resp = torch.cat((torch.zeros_like(tokens, dtype=torch.bool), response_mask), dim=1)
+        full_mask = prompt_mask | resp
+        routing = None
+        if self.logprobs == "score":
+            with record_routing(self.model) as score_routing:
+                logprobs = lm.token_logprobs(self.model, full_tokens, full_mask,
+                                             self.temperature or 1.0)
+            routing = score_routing if record else None
+        else:
+            logprobs = torch.cat((torch.zeros(tokens.shape, device=tokens.device),
+                                  torch.stack(new_lp, dim=1)), dim=1)
+            if record and decode_routing:  # the last token was never fed: repeat its column
+                routing = {k: torch.cat((v, v[..., -1:, :]), dim=-2)
+                           for k, v in decode_routing.items()}
+        logprobs = logprobs.masked_fill(~resp, 0.0)
+        return Rollout(full_tokens, full_mask, resp, logprobs, P, routing or None)

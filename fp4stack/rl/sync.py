@@ -1,0 +1,153 @@
+"""Weight sync from trainer to rollout engine, with a self-check on every refit.
+
+The trainer's own quantize path produces the packed NVFP4 weights the engine loads (no BF16
+export re-quantized on the other side). With each tensor goes a checksum of the values the trainer
+multiplies by; the engine recomputes it from what it loaded (its dequantized packed weights) and
+stops on the first difference. That catches a wrong expert layout, a transposed tensor, a stale
+amax or a flipped bit, which the usual probability-difference metric can miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..api import dequantize, fake_quantize, quantize
+from ..nn.linear import QuantLinear
+from ..nn.quant_experts import ExpertQuantization
+
+_MIX = 0x9E3779B1  # odd multiplier: spreads positions over the 32-bit range
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights differ from the trainer's after a refit."""
+
+
+def checksum(t: Tensor) -> int:
+    """A position-sensitive hash of t's values as float32 bit patterns (equal iff bit-identical,
+    up to hash collisions): sum_i bits_i * (i * MIX mod 2^32 | 1), wrapping in int64."""
+    bits = t.detach().float().contiguous().view(-1).view(torch.int32).long()
+    idx = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
+    weights = (idx * _MIX) % (1 << 32) | 1
+    return int((bits * weights).sum().item())
+
+
+@dataclass
+class WeightUpdate:
+    """What the trainer sends: per engine tensor name the tensor to load, and per checked name
+    (a weight, or "<experts>.<proj>[e]") the checksum of the trainer's values."""
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    checksums: dict[str, int] = field(default_factory=dict)
+
+
+def _trainer_weight(trainer: nn.Module, name: str) -> Tensor:
+    for get in (trainer.get_parameter, trainer.get_buffer):
+        try:
+            return get(name).detach()
+        except AttributeError:
+            continue
+    raise WeightSyncError(f"the trainer has no tensor {name!r} that the engine needs; are "
+                          "trainer and engine built from the same model?")
+
+
+def _group_amax(trainer: nn.Module, engine_layer: QuantLinear, prefix: str,
+                groups: dict[str, list[str]]) -> Tensor | None:
+    # The same formula as QuantLinear.shared_weight_amax: max over the group of each amax.
+    members = groups.get(prefix)
+    if members is None:
+        return None
+    return torch.stack([_trainer_weight(trainer, m + ".weight").abs().amax().float()
+                        for m in members]).amax()
+
+
+@torch.no_grad()
+def export_weights(trainer: nn.Module, engine: nn.Module,
+                   amax_groups: list[list[str]] = ()) -> WeightUpdate:
+    """The update that makes `engine` (a converted copy of the policy) hold `trainer`'s weights.
+
+    Packed engine layers get NVFP4 data, scales and amax quantized here from the trainer's master
+    weight (fused groups in `amax_groups` share one amax); every other engine tensor is copied.
+    """
+    groups = {name: members for members in amax_groups for name in members}
+    update = WeightUpdate()
+    packed = set()
+    for prefix, module in engine.named_modules():
+        p = f"{prefix}." if prefix else ""
+        if isinstance(module, QuantLinear) and module.weight is None:
+            w = _trainer_weight(trainer, p + "weight")
+            amax = _group_amax(trainer, module, prefix, groups)
+            t = quantize(w, spec=module.recipe.w, amax=amax)
+            update.tensors.update({p + "weight_data": t.data, p + "weight_scales": t.scales,
+                                   p + "weight_global_amax": t.amax})
+            if module.weight_amax is not None:
+                update.tensors[p + "weight_amax"] = t.amax
+            update.checksums[p + "weight"] = checksum(
+                fake_quantize(w, spec=module.recipe.w, amax=amax))
+            packed.update(p + s for s in ("weight_data", "weight_scales", "weight_global_amax",
+                                          "weight_amax"))
+        elif isinstance(module, ExpertQuantization) and module.packed_spec is not None:
+            for proj in ("gate_up", "down"):
+                w = _trainer_weight(trainer, f"{p}{proj}_proj")
+                ts = [quantize(w[e], spec=module.recipe.w) for e in range(w.shape[0])]
+                update.tensors[f"{p}{proj}_data"] = torch.stack([t.data for t in ts])
+                update.tensors[f"{p}{proj}_scales"] = torch.stack([t.scales for t in ts])
+                update.tensors[f"{p}{proj}_amax"] = torch.stack([t.amax for t in ts])
+                for e in range(w.shape[0]):
+                    update.checksums[f"{p}{proj}[{e}]"] = checksum(
+                        fake_quantize(w[e], spec=module.recipe.w))
+                packed.update(f"{p}{proj}_{s}" for s in ("data", "scales", "amax"))
+    engine_only = {"x_amax", "rc_channels"}  # calibrated by the engine itself
+    for name, current in engine.state_dict().items():
+        if name in packed or name.rpartition(".")[2] in engine_only:
+            continue
+        t = _trainer_weight(trainer, name).to(current.dtype)  # e.g. a BF16 engine
+        update.tensors[name] = t
+        update.checksums[name] = checksum(t)
+    return update
+
+
+@torch.no_grad()
+def load_weights(engine: nn.Module, update: WeightUpdate) -> int:
+    """Load `update` into `engine` and verify every checksum against the engine's own view of
+    the weights (dequantized packed NVFP4, or the tensor as stored). Returns tensors checked;
+    raises WeightSyncError naming the first tensor that differs."""
+    state = engine.state_dict()
+    for name, t in update.tensors.items():
+        if name not in state:
+            raise WeightSyncError(f"the update has {name!r}, which the engine does not hold")
+        if state[name].shape != t.shape:
+            raise WeightSyncError(f"{name}: the update's shape {tuple(t.shape)} != the engine's "
+                                  f"{tuple(state[name].shape)}")
+        state[name].copy_(t)
+    checked = 0
+    for prefix, module in engine.named_modules():
+        p = f"{prefix}." if prefix else ""
+        if isinstance(module, QuantLinear) and module.weight is None:
+            _verify(update, p + "weight", dequantize(module.packed_weight, torch.float32))
+            checked += 1
+        elif isinstance(module, ExpertQuantization) and module.packed_spec is not None:
+            for proj in ("gate_up", "down"):
+                for e in range(getattr(module, f"{proj}_data").shape[0]):
+                    w = dequantize(module.packed_expert(proj, e), torch.float32)
+                    _verify(update, f"{p}{proj}[{e}]", w)
+                    checked += 1
+    for name, t in engine.state_dict().items():
+        if name in update.checksums:
+            _verify(update, name, t)
+            checked += 1
+    return checked
+
+
+def _verify(update: WeightUpdate, name: str, engine_value: Tensor) -> None:
+    want = update.checksums.get(name)
+    if want is None:
+        raise WeightSyncError(f"the update carries no checksum for {name!r}")
+    got = checksum(engine_value)
+    if got != want:
+        raise WeightSyncError(
+            f"weight sync self-check failed for {name!r}: the engine's weights are not the "
+            f"trainer's (checksum {got:#x} != {want:#x}). The rollout would sample from a "
+            "different model than the one being trained; refusing to continue.")

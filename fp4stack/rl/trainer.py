@@ -1,0 +1,206 @@
+"""The GRPO loop: sync -> rollout -> reward -> trainer log-probs -> mismatch metrics -> update.
+
+One update per batch (on-policy), so the trainer's log-probs with gradients are also the "old"
+log-probs (detached) of the PPO ratio, and the mismatch metrics compare them with the engine's.
+DIR/metrics.jsonl gets one record per step; DIR/result.json the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..convert import quantize_model
+from ..data.tasks import Example, Task, load_task
+from ..nn.moe import replay_routing
+from ..train.metrics import MetricsLogger
+from . import policy as lm
+from .config import RLConfig
+from .grpo_loss import group_advantages, grpo_loss, rollout_correction
+from .metrics import MismatchAlarm, mismatch_metrics
+from .policies import build_policy, encode_example, sft_warmup
+from .rollout import Rollout, RolloutEngine
+
+SFT_FILE = "sft_policy.pt"
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def prepare_policy(cfg: RLConfig, task: Task, device: torch.device, cache_dir: Path | None,
+                   log=print) -> tuple[nn.Module, lm.TokenizerLike]:
+    """The starting policy: built, upcycled, SFT-warmed (cached in cache_dir/sft_policy.pt so
+    every run of a comparison starts from the same weights)."""
+    max_len = 64 + cfg.max_new_tokens
+    model, tokenizer = build_policy(cfg.policy, cfg.upcycle, cfg.seed, max_len)
+    model.to(device)
+    cached = cache_dir / SFT_FILE if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        model.load_state_dict(torch.load(cached, map_location=device, weights_only=True))
+        log(f"policy: loaded the SFT warm-up from {cached}")
+    elif cfg.sft_steps:
+        sft_warmup(model, tokenizer, task, steps=cfg.sft_steps, batch_size=cfg.sft_batch_size,
+                   lr=cfg.sft_lr, seed=cfg.seed, device=device, log=log)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(".tmp")
+            torch.save(model.state_dict(), tmp)
+            os.replace(tmp, cached)
+    return model.eval(), tokenizer
+
+
+def evaluate(engine: RolloutEngine, task: Task, examples: list[Example]) -> float:
+    """pass@1 with greedy decoding in the engine's precision."""
+    prompts = [encode_example(engine.tokenizer, e.prompt)[0] for e in examples]
+    saved = engine.temperature
+    engine.temperature = 0.0
+    try:
+        rollout = engine.generate(prompts)
+    finally:
+        engine.temperature = saved
+    texts = [engine.tokenizer.decode(r) for r in rollout.responses()]
+    return sum(task.score(t, e) for t, e in zip(texts, examples, strict=True)) / len(examples)
+
+
+def _slice_routing(routing: dict | None, rows: slice) -> dict | None:
+    return None if routing is None else {k: v[rows] for k, v in routing.items()}
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
+               advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """One GRPO update over the rollout in micro-batches. Returns the trainer's log-probs
+    [B, L] (detached), per-token entropy [B, L] and the loss stats."""
+    B = rollout.tokens.shape[0]
+    n_tokens = rollout.response_mask.sum().clamp(min=1)
+    lps, ents, stats_sum = [], [], {}
+    opt.zero_grad(set_to_none=True)
+    for start in range(0, B, cfg.micro_batch_size):
+        rows = slice(start, start + cfg.micro_batch_size)
+        tokens, mask = rollout.tokens[rows], rollout.mask[rows]
+        resp = rollout.response_mask[rows]
+        routing = _slice_routing(rollout.routing if cfg.routing_replay else None, rows)
+        with replay_routing(model, routing) if routing else nullcontext():
+            logp, entropy = lm.token_logprobs(model, tokens, mask, cfg.temperature or 1.0,
+                                              entropy=True)
+        old = logp.detach()
+        weights = rollout_correction(old, rollout.logprobs[rows], resp, cfg.correction,
+                                     cfg.correction_cap)
+        logp_ref = None
+        if ref is not None:
+            with torch.no_grad():
+                logp_ref = lm.token_logprobs(ref, tokens, mask, cfg.temperature or 1.0)
+        loss, stats = grpo_loss(logp, old, advantages[rows], resp, clip_low=cfg.clip_low,
+                                clip_high=cfg.clip_high, weights=weights, logp_ref=logp_ref,
+                                kl_coef=cfg.kl_coef)
+        share = resp.sum() / n_tokens  # token-mean over the whole batch
+        (loss * share).backward()
+        for k, v in stats.items():
+            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * float(share)
+        lps.append(old)
+        ents.append(entropy.detach())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+    if torch.isfinite(norm):
+        opt.step()
+        stats_sum["skipped"] = 0.0
+    else:
+        stats_sum["skipped"] = 1.0  # a non-finite gradient: the update is dropped
+    stats_sum["grad_norm"] = float(norm)
+    return torch.cat(lps), torch.cat(ents), stats_sum
+
+
+def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
+    device = _device(cfg.device)
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    torch.manual_seed(cfg.seed)
+    task = load_task(cfg.task, **cfg.task_options)
+    base, tokenizer = prepare_policy(cfg, task, device, Path(cache_dir) if cache_dir else out, log)
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    engine = RolloutEngine(base, tokenizer, cfg.rollout, temperature=cfg.temperature,
+                           top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                           logprobs=cfg.logprobs, compensation=cfg.compensation, dtype=dtype)
+    ref = None
+    if cfg.kl_coef > 0:
+        import copy
+
+        ref = copy.deepcopy(base).eval().requires_grad_(False)
+    model = base.train()
+    if cfg.trainer != "bf16":
+        quantize_model(model, cfg.trainer)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    alarm = (MismatchAlarm("k3", cfg.alarm_k3, cfg.alarm) if cfg.alarm != "off" else None)
+    logger = MetricsLogger(out, enabled=True, tensorboard=True)
+    test = task.test_set()[:cfg.eval_size]
+    stream = task.train_examples(cfg.seed)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    log(f"rl: task {cfg.task}, rollout {cfg.rollout}, trainer {cfg.trainer}, correction "
+        f"{cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
+        f"{cfg.steps} steps, out {out}")
+    engine.sync(model)
+    history = []
+    pass1 = evaluate(engine, task, test) if cfg.eval_every else None
+    if pass1 is not None:
+        logger.log({"step": 0, "pass_at_1": pass1})
+        log(f"step 0: pass@1 {pass1:.3f}")
+    start = time.perf_counter()
+    try:
+        for step in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            examples = [next(stream) for _ in range(cfg.prompts_per_step)]
+            group = [e for e in examples for _ in range(cfg.group_size)]
+            prompts = [encode_example(tokenizer, e.prompt)[0] for e in group]
+            rollout = engine.generate(prompts, generator, record=cfg.routing_replay)
+            texts = [tokenizer.decode(r) for r in rollout.responses()]
+            rewards = torch.tensor([task.score(t, e) for t, e in zip(texts, group, strict=True)],
+                                   device=device)
+            adv = group_advantages(rewards, cfg.group_size)
+            lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref)
+            mism = mismatch_metrics(lp, rollout.logprobs, rollout.response_mask)
+            checked = engine.sync(model)
+            resp = rollout.response_mask
+            record = {"step": step, "reward": rewards.mean().item(), **mism,
+                      "entropy": float((entropy * resp).sum() / resp.sum().clamp(min=1)),
+                      "response_len": rollout.response_lengths.float().mean().item(),
+                      **{k: stats[k] for k in ("loss", "clip_frac", "grad_norm", "skipped")
+                         if k in stats},
+                      "synced_tensors": checked, "step_s": time.perf_counter() - t0}
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                record["pass_at_1"] = pass1 = evaluate(engine, task, test)
+            logger.log(record)
+            history.append(record)
+            log(f"step {step}/{cfg.steps} | reward {record['reward']:.3f} | k3 {record['k3']:.2e}"
+                f" | |dlogp| max {record['logp_diff_max']:.3f} | len "
+                f"{record['response_len']:.1f}" + (f" | pass@1 {record['pass_at_1']:.3f}"
+                                                   if "pass_at_1" in record else ""))
+            if alarm is not None:
+                with warnings.catch_warnings():  # logged here, in the run's own output
+                    warnings.simplefilter("ignore")
+                    message = alarm.check(step, record)
+                if message:
+                    log(f"alarm: {message}")
+    finally:
+        logger.close()
+    k3 = [r["k3"] for r in history]
+    result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "correction": cfg.correction,
+              "steps": len(history), "final_reward": history[-1]["reward"],
+              "final_pass_at_1": pass1, "k3_mean": sum(k3) / len(k3), "k3_max": max(k3),
+              "wall_s": time.perf_counter() - start, "device": str(device), "out": str(out)}
+    if not all(math.isfinite(v) for v in k3):
+        result["k3_nonfinite"] = True
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,229 @@
+"""Rollout engine, weight sync and the GRPO loop on CPU: exactness, self-check, learning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fp4stack
+from fp4stack.convert import quantize_model
+from fp4stack.data.char_tokenizer import CharTokenizer
+from fp4stack.data.tasks import load_task
+from fp4stack.models import GPT, GPTConfig
+from fp4stack.rl import policy as lm
+from fp4stack.rl.compare import run_rl_comparison
+from fp4stack.rl.config import RLConfig, load_rl_config
+from fp4stack.rl.rollout import RolloutEngine, sample_next
+from fp4stack.rl.sync import WeightSyncError, checksum, export_weights, load_weights
+from fp4stack.rl.trainer import run_rl
+
+TOK = CharTokenizer()
+
+
+def policy(moe: bool = True, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig.tiny_moe if moe else GPTConfig.tiny
+    return GPT(cfg(vocab_size=TOK.vocab_size, max_seq_len=32)).eval()
+
+
+PROMPTS = [TOK.encode(p) for p in ("12+34=", "7+5=", "40+41=", "3+3=")]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("precision,trainer_recipe", [("bf16", None), ("fp8", "w8a8"),
+                                                      ("nvfp4", "w4a4")])
+def test_engine_logprobs_equal_the_trainers_at_the_same_precision(moe, precision,
+                                                                  trainer_recipe):
+    base = policy(moe)
+    engine = RolloutEngine(base, TOK, precision, max_new_tokens=5)
+    if trainer_recipe is not None:  # the same GEMMs, on master weights the trainer can update
+        quantize_model(base, fp4stack.recipe(trainer_recipe).with_(weight_storage="master"))
+    engine.sync(base)
+    out = engine.generate(PROMPTS, torch.Generator().manual_seed(0))
+    lp = lm.token_logprobs(base, out.tokens, out.mask).masked_fill(~out.response_mask, 0)
+    assert out.response_mask.any()
+    assert torch.equal(lp, out.logprobs)  # bit for bit
+
+
+def test_sampled_logprobs_match_the_score_pass_to_rounding():
+    base = policy()
+    eng = {m: RolloutEngine(base, TOK, "bf16", max_new_tokens=5, logprobs=m)
+           for m in ("score", "sample")}
+    outs = {m: e.generate(PROMPTS, torch.Generator().manual_seed(1)) for m, e in eng.items()}
+    assert torch.equal(outs["score"].tokens, outs["sample"].tokens)
+    torch.testing.assert_close(outs["sample"].logprobs, outs["score"].logprobs,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_quads_with_every_channel_compensated_is_the_qat_w_trainer():
+    base = policy()
+    engine = RolloutEngine(base, TOK, "quads", max_new_tokens=5, compensation=1.0)
+    quantize_model(base, "qat-w")
+    engine.sync(base)
+    out = engine.generate(PROMPTS, torch.Generator().manual_seed(0))
+    lp = lm.token_logprobs(base, out.tokens, out.mask).masked_fill(~out.response_mask, 0)
+    torch.testing.assert_close(out.logprobs, lp, rtol=1e-4, atol=1e-4)
+    naive = RolloutEngine(policy(), TOK, "nvfp4", max_new_tokens=5)
+    naive.sync(base)
+    lq = lm.token_logprobs(naive.model, out.tokens, out.mask).masked_fill(~out.response_mask, 0)
+    assert (lq - lp).abs().max() > 10 * (out.logprobs - lp).abs().max()
+
+
+def test_sync_ships_the_trainers_quantized_weights_and_catches_corruption():
+    base = policy()
+    engine = RolloutEngine(base, TOK, "nvfp4")
+    quantize_model(base, "qat-w")
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # the trainer moved
+    assert engine.sync(base) > 0
+    # The engine's packed weights are the trainer's fake-quantized ones, value for value.
+    layer = base.model.layers[0].self_attn.q_proj
+    packed = engine.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(fp4stack.dequantize(packed.packed_weight, torch.float32),
+                       layer.quantized_weight(torch.float32))
+    update = export_weights(base, engine.model, engine.amax_groups)
+    name = "model.layers.1.mlp.experts.gate_up_data"
+    update.tensors[name] = update.tensors[name].clone()
+    update.tensors[name][2, 5, 3] ^= 0x10  # one flipped bit in one expert's packed weight
+    with pytest.raises(WeightSyncError, match=r"mlp\.experts\.gate_up\[2\]"):
+        load_weights(engine.model, update)
+    update = export_weights(base, engine.model, engine.amax_groups)
+    update.tensors["model.norm.weight"] = update.tensors["model.norm.weight"] * 1.001
+    with pytest.raises(WeightSyncError, match="model.norm.weight"):
+        load_weights(engine.model, update)
+
+
+def test_checksum_sees_position_and_value():
+    t = torch.randn(64)
+    assert checksum(t) == checksum(t.clone())
+    assert checksum(t) != checksum(t.flip(0))
+    u = t.clone()
+    u[7] = torch.nextafter(u[7], torch.tensor(10.0))
+    assert checksum(t) != checksum(u)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {int(sample_next(logits, 1.0, 0.75, torch.Generator().manual_seed(s))[0])
+            for s in range(200)}
+    assert seen == {0, 1}
+    nxt, lp = sample_next(logits, 0.0, 1.0, None)
+    assert int(nxt) == 0 and float(lp) == pytest.approx(float(torch.log(torch.tensor(0.5))))
+
+
+def test_generation_stops_at_eos_and_pads_after():
+    base = policy()
+    engine = RolloutEngine(base, TOK, "bf16", max_new_tokens=8)
+    engine.sync(base)
+    out = engine.generate(PROMPTS * 8, torch.Generator().manual_seed(0))
+    resp = out.tokens[:, out.prompt_len:]
+    keep = out.response_mask[:, out.prompt_len:]
+    stopped = 0
+    for row, k in zip(resp.tolist(), keep.tolist(), strict=True):
+        n = sum(k)
+        assert k == [True] * n + [False] * (len(k) - n)  # a prefix of the response is real
+        if TOK.eos_id in row[:n]:
+            stopped += 1
+            assert row.index(TOK.eos_id) == n - 1  # ... ending at the first EOS
+            assert all(t == TOK.pad_id for t in row[n:])
+        else:
+            assert n == len(row)
+    assert stopped > 0
+    assert (out.logprobs[~out.response_mask] == 0).all()
+    assert (out.logprobs[out.response_mask] < 0).all()
+
+
+def test_routing_replay_reproduces_the_engines_experts():
+    base = policy()
+    engine = RolloutEngine(base, TOK, "bf16", max_new_tokens=4)
+    engine.sync(base)
+    out = engine.generate(PROMPTS, torch.Generator().manual_seed(0), record=True)
+    assert out.routing and all(v.shape[:2] == out.tokens.shape for v in out.routing.values())
+    with base.replay_routing(out.routing):
+        lp = lm.token_logprobs(base, out.tokens, out.mask)
+    assert torch.equal(lp.masked_fill(~out.response_mask, 0), out.logprobs)
+
+
+def tiny_config(tmp_path, **overrides) -> RLConfig:
+    base = dict(policy={"kind": "gpt", "preset": "tiny-moe", "moe_hidden": 64},
+                task="arithmetic:add", task_options={"level": 1, "n_test": 25}, sft_steps=60,
+                steps=3, prompts_per_step=8, group_size=4, max_new_tokens=3, eval_every=3,
+                eval_size=25, out=str(tmp_path / "{rollout}"), device="cpu")
+    return RLConfig(**{**base, **overrides})
+
+
+def test_rl_writes_every_metric_each_step(tmp_path):
+    result = run_rl(tiny_config(tmp_path), log=lambda *a: None)
+    records = [json.loads(line) for line in (tmp_path / "quads" / "metrics.jsonl").open()]
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    keys = {"step", "reward", "k1", "k3", "logp_diff_mean", "logp_diff_max", "prob_diff_max",
+            "chi2_token", "chi2_seq", "ess", "entropy", "response_len"}
+    assert all(keys <= set(r) for r in steps)
+    assert "pass_at_1" in steps[-1] and "pass_at_1" in records[0]
+    assert result["steps"] == 3 and result["k3_mean"] >= 0
+
+
+EASY_TASK = """
+from fp4stack.data.tasks import ArithmeticTask
+
+
+class SevenTask(ArithmeticTask):
+    \"\"\"Any arithmetic prompt; the reward is for answering with a 7 first.\"\"\"
+
+    def score(self, response, example):
+        return float(response.startswith("7"))
+
+    def completion(self, example):
+        return "7"
+
+
+def make_task(**options):
+    return SevenTask(ops="add", level=1, n_test=25)
+"""
+
+
+def test_grpo_raises_reward_on_an_easy_task(tmp_path, monkeypatch):
+    # An untrained policy, a user task plugged in by module path, a reward GRPO can find fast.
+    (tmp_path / "seven_task.py").write_text(EASY_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny_config(tmp_path, task="seven_task:make_task", task_options={}, rollout="bf16",
+                      trainer="bf16", steps=10, lr=3e-3, prompts_per_step=16, group_size=8,
+                      eval_every=0, sft_steps=0)
+    run_rl(cfg, log=lambda *a: None)
+    rewards = [json.loads(line)["reward"] for line in (tmp_path / "bf16" / "metrics.jsonl").open()]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+
+
+def test_rl_compare_table_from_one_start(tmp_path):
+    cfg = tiny_config(tmp_path, steps=2, eval_every=0)
+    rows = run_rl_comparison(cfg, ["bf16", "quads"], tmp_path / "cmp", log=lambda *a: None)
+    assert [r["run"] for r in rows] == ["bf16", "quads"] and rows[0]["k3_max"] == 0.0
+    assert (tmp_path / "cmp" / "sft" / "sft_policy.pt").exists()
+    assert "| quads | quads | qat-w |" in (tmp_path / "cmp" / "rl_compare.md").read_text()
+
+
+@pytest.mark.parametrize("bad,match", [({"rollout": "fp4"}, "rollout"),
+                                       ({"group_size": 1}, "group_size"),
+                                       ({"policy": {"kind": "x"}}, "policy.kind"),
+                                       ({"top_p": 0}, "top_p")])
+def test_config_errors_name_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        RLConfig(**bad)
+
+
+def test_yaml_preset_loads_and_unknown_keys_fail(tmp_path):
+    cfg = load_rl_config("configs/rl/tiny.yaml")
+    assert cfg.rollout == "quads" and cfg.trainer == "qat-w"
+    (tmp_path / "bad.yaml").write_text("rollot: quads\n")
+    with pytest.raises(ValueError, match="did you mean 'rollout'"):
+        load_rl_config(tmp_path / "bad.yaml")
+
+
+def test_tasks_plug_in_by_module_path():
+    task = load_task("fp4stack.data.tasks:ArithmeticTask", ops="mul", level=1, n_test=10)
+    ex = task.test_set()[0]
+    assert task.score(task.completion(ex), ex) == 1.0

@@ -156,7 +156,7 @@ def tiny_config(tmp_path, **overrides) -> RLConfig:
 
 
 def test_rl_writes_every_metric_each_step(tmp_path):
-    result = run_rl(tiny_config(tmp_path), log=lambda *a: None)
+    result = run_rl(tiny_config(tmp_path, eval_pass_k=4), log=lambda *a: None)
     records = [json.loads(line) for line in (tmp_path / "quads" / "metrics.jsonl").open()]
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -164,6 +164,7 @@ def test_rl_writes_every_metric_each_step(tmp_path):
             "chi2_token", "chi2_seq", "ess", "entropy", "response_len"}
     assert all(keys <= set(r) for r in steps)
     assert "pass_at_1" in steps[-1] and "pass_at_1" in records[0]
+    assert 0 <= steps[-1]["pass_at_1"] <= 1 and 0 <= steps[-1]["pass_at_4"] <= 1
     assert result["steps"] == 3 and result["k3_mean"] >= 0
 
 

@@ -90,7 +90,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         if evals:
             rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
     kx.set_yscale("log")
-    kx.set_title("trainer-rollout mismatch k3 per step")
+    kx.set_title("trainer-rollout mismatch k3 per step (0 drawn at 1e-12)")
     rx.set_title("reward per step (line), greedy pass@1 (markers)")
     for ax in (kx, rx):
         ax.set_xlabel("step")

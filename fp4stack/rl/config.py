@@ -51,6 +51,7 @@ class RLConfig:
     kl_coef: float = 0.0  # k3 KL to the initial policy (kept in BF16); 0: no reference model
     eval_every: int = 10  # steps between pass@1 evaluations on the task's test set
     eval_size: int = 200  # test prompts per evaluation (greedy, in the rollout precision)
+    eval_pass_k: int = 0  # also pass@k from 2k samples per test prompt when > 1 (0: off)
     alarm_k3: float = 0.05  # k3 threshold of the mismatch alarm
     alarm: str = "warn"  # off, warn or stop
     seed: int = 0
@@ -76,7 +77,8 @@ class RLConfig:
         for name, minimum in (("sft_steps", 0), ("sft_batch_size", 1), ("steps", 1),
                               ("prompts_per_step", 1), ("group_size", 2),
                               ("micro_batch_size", 1), ("max_new_tokens", 1),
-                              ("eval_every", 0), ("eval_size", 1), ("seed", 0)):
+                              ("eval_every", 0), ("eval_size", 1), ("eval_pass_k", 0),
+                              ("seed", 0)):
             _int(name, getattr(self, name), minimum)
         for name in ("sft_lr", "lr", "weight_decay", "grad_clip", "clip_low", "clip_high",
                      "kl_coef", "alarm_k3", "temperature", "correction_cap"):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..convert import quantize_model
-from ..data.tasks import Example, Task, load_task
+from ..data.tasks import Example, Task, load_task, pass_at_k
 from ..nn.moe import replay_routing
 from ..train.metrics import MetricsLogger
 from . import policy as lm
@@ -72,6 +72,20 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example]) -> floa
         engine.temperature = saved
     texts = [engine.tokenizer.decode(r) for r in rollout.responses()]
     return sum(task.score(t, e) for t, e in zip(texts, examples, strict=True)) / len(examples)
+
+
+def evaluate_pass_at_k(engine: RolloutEngine, task: Task, examples: list[Example], k: int,
+                       generator: torch.Generator | None = None) -> float:
+    """pass@k (unbiased estimator over n = 2k samples per problem at the sampling temperature;
+    a sample passes when it scores 1)."""
+    n = 2 * k
+    prompts = [encode_example(engine.tokenizer, e.prompt)[0] for e in examples for _ in range(n)]
+    texts = [engine.tokenizer.decode(r) for r in engine.generate(prompts, generator).responses()]
+    total = 0.0
+    for i, e in enumerate(examples):
+        passed = sum(task.score(t, e) >= 1.0 for t in texts[i * n:(i + 1) * n])
+        total += pass_at_k(n, passed, k)
+    return total / len(examples)
 
 
 def _slice_routing(routing: dict | None, rows: slice) -> dict | None:
@@ -181,6 +195,9 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                       "synced_tensors": checked, "step_s": time.perf_counter() - t0}
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 record["pass_at_1"] = pass1 = evaluate(engine, task, test)
+                if cfg.eval_pass_k > 1:
+                    record[f"pass_at_{cfg.eval_pass_k}"] = evaluate_pass_at_k(
+                        engine, task, test, cfg.eval_pass_k, generator)
             logger.log(record)
             history.append(record)
             log(f"step {step}/{cfg.steps} | reward {record['reward']:.3f} | k3 {record['k3']:.2e}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from fp4stack.rl.config import RLConfig, load_rl_config
 from fp4stack.rl.rollout import RolloutEngine, sample_next
 from fp4stack.rl.sync import WeightSyncError, checksum, export_weights, load_weights
 from fp4stack.rl.trainer import run_rl
+from fp4stack.train.metrics import read_metrics
 
 TOK = CharTokenizer()
 
@@ -157,7 +156,7 @@ def tiny_config(tmp_path, **overrides) -> RLConfig:
 
 def test_rl_writes_every_metric_each_step(tmp_path):
     result = run_rl(tiny_config(tmp_path, eval_pass_k=4), log=lambda *a: None)
-    records = [json.loads(line) for line in (tmp_path / "quads" / "metrics.jsonl").open()]
+    records = read_metrics(tmp_path / "quads")
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     keys = {"step", "reward", "k1", "k3", "logp_diff_mean", "logp_diff_max", "prob_diff_max",
@@ -195,7 +194,7 @@ def test_grpo_raises_reward_on_an_easy_task(tmp_path, monkeypatch):
                       trainer="bf16", steps=10, lr=3e-3, prompts_per_step=16, group_size=8,
                       eval_every=0, sft_steps=0)
     run_rl(cfg, log=lambda *a: None)
-    rewards = [json.loads(line)["reward"] for line in (tmp_path / "bf16" / "metrics.jsonl").open()]
+    rewards = [r["reward"] for r in read_metrics(tmp_path / "bf16")]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
 
 

@@ -1,0 +1,297 @@
+"""NVFP4 attention with tensor reuse: the torch reference of Full-Stack FP4's mixed-precision
+attention (forward and backward), emulated with exact NVFP4 values and fp32 maths.
+
+Every GEMM quantizes its operands in 1x16 blocks along that GEMM's reduction dimension, because an
+NVFP4 GEMM applies its block scales along K. Shapes: Q [S, d], K and V [L, d], P and dS [S, L]
+(per batch and head); "queries" is S, "keys" is L, d is head_dim.
+
+| GEMM        | operands | reduction | blocks run along                     | quantized by default |
+|-------------|----------|-----------|--------------------------------------|----------------------|
+| S = Q Kᵀ    | Q, K     | d         | d                                    | Q, K                 |
+| O = P V     | P, V     | keys      | keys (P rows, V columns)             | V (P stays fp32)     |
+| dV = Pᵀ dO  | P, dO    | queries   | queries (reuse: P̂ as in O = P V)     | nothing              |
+| dP = dO Vᵀ  | dO, V    | d         | d (reuse: V̂ as in O = P V, keys)     | V (dO stays fp32)    |
+| dQ = dS K   | dS, K    | keys      | keys (reuse: K̂ as in S = Q Kᵀ, d)    | dS, K                |
+| dK = dSᵀ Q  | dS, Q    | queries   | queries (reuse: Q̂ as in S = Q Kᵀ, d) | dS, Q                |
+
+Which tensor each flag of AttentionQuant quantizes: `q`, `k`, `v` the inputs, wherever they are a
+GEMM operand; `p` the probabilities as an operand of O = P V and of dV = Pᵀ dO; `dp` the dO operand
+of the dP GEMM (the path SageBwd keeps in FP16); `ds` the score gradient, along keys for dQ and
+along queries for dK (it only exists in the backward, so it is quantized there, once per GEMM).
+dO in dV = Pᵀ dO is never quantized: the method names no quantizer for it.
+
+Tensor reuse (reuse=True, the method's choice): the backward multiplies by the very values the
+forward did. Q̂, K̂ (blocks along d) and V̂ (blocks along keys) are saved and never re-quantized;
+S is recomputed from Q̂ K̂ᵀ bit for bit, so P, and P̂ (same seed), are the forward's too. dP = dO V̂ᵀ,
+dQ = dS K̂ and dK = dSᵀ Q̂ then reuse operands whose blocks run along a dimension other than the
+GEMM's reduction: the numbers stay aligned with the forward, which is the point.
+reuse=False (the ablation): Q, K, V are saved unquantized and the backward re-quantizes each along
+its GEMM's reduction dim: V along d for dP, K along keys for dQ, Q along queries for dK, P along
+queries for dV (and Q, K along d again to recompute S). The backward then differentiates slightly
+different numbers from the ones the forward used.
+
+Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
+saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
+term and every accumulation (fp32; fp64 when the inputs are fp64, for tight tests). Unquantized
+operands stay fp32 in this emulation, an upper bound on what BF16 P or dO would give.
+
+Any sequence length: quantize_along pads the dimension its blocks run along to whole 16-blocks
+with zeros, which change neither a block's max nor the global amax and add nothing to a product,
+and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute nothing either.
+
+Causality caveat: V's blocks run along keys, so a past token's V̂ shares its block scale with up to
+15 later tokens, and every quantizer's global amax spans all positions. Masked keys still get zero
+weight and zero gradient, but a future token can nudge the quantized values of past ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..api import fake_quantize
+from ..formats.random import draw_seed
+from ..formats.spec import QuantSpec
+
+_BLOCK = 16
+_FLAGS = ("q", "k", "v", "p", "ds", "dp")
+# The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
+NVFP4_RNE = QuantSpec(nan_policy="propagate")
+
+
+@dataclass(frozen=True)
+class AttentionQuant:
+    """Which attention tensors are quantized (a QuantSpec each, None = high precision), and
+    whether the backward reuses the forward's quantized Q, K, V (see the module docstring).
+
+    The default is the method's: q, k, v and ds in NVFP4 1x16 RNE; p and dp high precision.
+    """
+
+    q: QuantSpec | None = NVFP4_RNE
+    k: QuantSpec | None = NVFP4_RNE
+    v: QuantSpec | None = NVFP4_RNE
+    p: QuantSpec | None = None
+    ds: QuantSpec | None = NVFP4_RNE
+    dp: QuantSpec | None = None
+    reuse: bool = True
+
+    def __post_init__(self) -> None:
+        for name in _FLAGS:
+            spec = getattr(self, name)
+            if spec is not None and not isinstance(spec, QuantSpec):
+                raise TypeError(f"AttentionQuant.{name} must be a QuantSpec or None, "
+                                f"got {type(spec).__name__}")
+            if spec is not None and spec.format == "none":
+                object.__setattr__(self, name, None)  # one spelling of "not quantized"
+            elif spec is not None and spec.format == "nvfp4":
+                _check_nvfp4(name, spec)
+        if not isinstance(self.reuse, bool):
+            raise TypeError(f"AttentionQuant.reuse must be a bool, got {self.reuse!r}")
+
+    @classmethod
+    def off(cls) -> AttentionQuant:
+        """Nothing quantized: exact attention (fp32 maths)."""
+        return cls(**{name: None for name in _FLAGS})
+
+    @classmethod
+    def paper(cls) -> AttentionQuant:
+        """Full-Stack FP4's attention: Q, K, V, dS in NVFP4 with tensor reuse (the default)."""
+        return cls()
+
+    @classmethod
+    def only(cls, *names: str, spec: QuantSpec = NVFP4_RNE, reuse: bool = True) -> AttentionQuant:
+        """Just the named tensors quantized with `spec`, e.g. only("q", "ds"), for ablations."""
+        unknown = sorted(set(names) - set(_FLAGS))
+        if unknown:
+            raise ValueError(f"AttentionQuant.only: unknown tensor(s) {unknown}; "
+                             f"choose from {_FLAGS}")
+        return cls(**{name: spec if name in names else None for name in _FLAGS}, reuse=reuse)
+
+    @property
+    def quantizes(self) -> bool:
+        return any(getattr(self, name) is not None for name in _FLAGS)
+
+    def describe(self) -> str:
+        on = [name for name in _FLAGS if getattr(self, name) is not None]
+        return f"quantized: {', '.join(on) or 'nothing'}; reuse={self.reuse}"
+
+
+def _check_nvfp4(name: str, spec: QuantSpec) -> None:
+    if spec.block != (1, 16):
+        raise ValueError(f"AttentionQuant.{name}: attention quantizes 1x16 blocks along each "
+                         f"GEMM's reduction dim, got block={spec.block}")
+    if spec.hadamard:
+        raise ValueError(f"AttentionQuant.{name}: hadamard=True is not supported: the values "
+                         "would stay in the transformed domain, which only cancels when both "
+                         "operands of one GEMM carry the same transform")
+
+
+def quantize_along(t: Tensor, spec: QuantSpec | None, dim: int, dtype: torch.dtype,
+                   seed: int | None = None) -> Tensor:
+    """`t`'s values after `spec` quantizes it in blocks along `dim`, as `dtype`.
+
+    Quantized in fp32 (NVFP4 values are exact there; a bf16 result would round them), with
+    `dim` zero-padded to whole blocks. spec None returns t as `dtype`.
+    """
+    if spec is None:
+        return t.to(dtype)
+    x = t.movedim(dim, -1).float()
+    n = x.shape[-1]
+    if n % _BLOCK:
+        x = F.pad(x, (0, -n % _BLOCK))
+    seed = draw_seed() if seed is None and spec.rounding == "stochastic" else seed
+    y = fake_quantize(x.contiguous(), spec=spec, seed=seed)
+    return y[..., :n].to(dtype).movedim(-1, dim)
+
+
+def _allowed(S: int, L: int, causal: bool, mask: Tensor | None, device) -> Tensor | None:
+    """The boolean "may attend" mask, broadcastable to [B, H, S, L], or None (all allowed)."""
+    allowed = None
+    if causal:  # queries are the last S of L positions: query i sees keys j <= i + L - S
+        allowed = torch.ones(S, L, dtype=torch.bool, device=device).tril(L - S)
+    if mask is not None:
+        allowed = mask if allowed is None else allowed & mask
+    return allowed
+
+
+def _probs(S: Tensor, lse: Tensor) -> Tensor:
+    # exp(S - lse): the forward and the backward compute P the same way, so bit for bit alike.
+    return torch.exp(S - lse[..., None])
+
+
+def _scores(qh: Tensor, kh: Tensor, scale: float, allowed: Tensor | None) -> Tensor:
+    s = (qh @ kh.transpose(-2, -1)) * scale
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+
+
+def _log_sum_exp(s: Tensor) -> Tensor:
+    """Row log-sum-exp with the row max subtracted first; +inf for a row with no allowed key,
+    so that its P is 0 (output 0, as flash attention gives) instead of NaN."""
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    total = torch.exp(s - m).sum(dim=-1)
+    lse = m[..., 0] + torch.log(total)
+    return torch.where(total > 0, lse, torch.full_like(lse, float("inf")))
+
+
+class _FP4AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, scale: float, cfg: AttentionQuant):
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qh = quantize_along(q, cfg.q, -1, dt)  # blocks along d: QKᵀ reduces over d
+        kh = quantize_along(k, cfg.k, -1, dt)
+        vh = quantize_along(v, cfg.v, -2, dt)  # blocks along keys: PV reduces over keys
+        s = _scores(qh, kh, scale, allowed)
+        lse = _log_sum_exp(s)
+        p = _probs(s, lse)
+        p_seed = draw_seed() if cfg.p is not None and cfg.p.rounding == "stochastic" else None
+        o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
+        saved = (qh, kh, vh) if cfg.reuse else (q, k, v)
+        ctx.save_for_backward(*saved, o, lse, allowed)
+        ctx.scale, ctx.cfg, ctx.p_seed, ctx.dt, ctx.in_dtype = scale, cfg, p_seed, dt, q.dtype
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        a, b, c, o, lse, allowed = ctx.saved_tensors
+        cfg, dt, scale = ctx.cfg, ctx.dt, ctx.scale
+        do = do.to(dt)
+        if cfg.reuse:  # the forward's values: Q̂, K̂ along d, V̂ along keys, P̂ with its seed
+            qh = q_dk = a
+            kh = k_dq = b
+            v_dp = c
+        else:  # re-quantize from the unquantized tensors, along each GEMM's reduction dim
+            qh, q_dk = quantize_along(a, cfg.q, -1, dt), quantize_along(a, cfg.q, -2, dt)
+            kh, k_dq = quantize_along(b, cfg.k, -1, dt), quantize_along(b, cfg.k, -2, dt)
+            v_dp = quantize_along(c, cfg.v, -1, dt)
+        p = _probs(_scores(qh, kh, scale, allowed), lse)
+        if cfg.reuse:
+            p_dv = quantize_along(p, cfg.p, -1, dt, ctx.p_seed)
+        else:
+            p_dv = quantize_along(p, cfg.p, -2, dt)
+        dv = p_dv.transpose(-2, -1) @ do
+        dp = quantize_along(do, cfg.dp, -1, dt) @ v_dp.transpose(-2, -1)
+        ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
+        dq = (quantize_along(ds, cfg.ds, -1, dt) @ k_dq) * scale
+        dk = (quantize_along(ds, cfg.ds, -2, dt).transpose(-2, -1) @ q_dk) * scale
+        out = ctx.in_dtype
+        return dq.to(out), dk.to(out), dv.to(out), None, None, None
+
+
+def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
+                  config: AttentionQuant | None = None, scale: float | None = None,
+                  mask: Tensor | None = None) -> Tensor:
+    """Attention of q [B, H, S, d] over k, v [B, Hkv, L, d] (SDPA layout) with NVFP4 operands.
+
+    q is the last S of the L positions (S < L: KV-cache decoding; causal then masks like
+    tril(L - S)). Hkv must divide H (grouped-query attention: query head h reads K/V head
+    h // (H / Hkv)). mask: an optional boolean "may attend" tensor broadcastable to
+    [B, H, S, L], combined with `causal`. scale defaults to 1/sqrt(d). config defaults to
+    AttentionQuant.paper(). The output has q's dtype.
+    """
+    config = AttentionQuant.paper() if config is None else config
+    if not isinstance(config, AttentionQuant):
+        raise TypeError(f"config must be an AttentionQuant, got {type(config).__name__}")
+    _check_shapes(q, k, v)
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    S, L = q.shape[2], k.shape[2]
+    if causal and S > L:
+        raise ValueError(f"causal attention needs S <= L (queries are the last S of L "
+                         f"positions), got S={S}, L={L}")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a boolean 'may attend' tensor, got {mask.dtype}")
+        mask = mask.to(q.device)
+    allowed = _allowed(S, L, causal, mask, q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _FP4AttentionFn.apply(q, k, v, allowed, scale, config)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got "
+                             f"{tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and "
+                         "head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({q.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def use_fp4_attention(model, config: AttentionQuant | None = None):
+    """Make every attention block of an fp4stack GPT compute fp4_attention; returns `model`.
+
+    Overrides each block's `Attention.attend` on the instance: mask None is causal attention
+    (q the last S of L positions); the left-padding mask the GPT passes ([B, 1, S, L], already
+    holding causality) is used as given. GQA heads are repeated as the original does.
+    """
+    from ..models.gpt import Attention
+
+    config = AttentionQuant.paper() if config is None else config
+    if not isinstance(config, AttentionQuant):
+        raise TypeError(f"config must be an AttentionQuant, got {type(config).__name__}")
+    blocks = [m for m in model.modules() if isinstance(m, Attention)]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no fp4stack Attention block")
+    for attn in blocks:
+        attn.attend = _make_attend(config)
+    return model
+
+
+def _make_attend(config: AttentionQuant):
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        return fp4_attention(q, k, v, causal=mask is None, config=config, mask=mask)
+
+    return attend

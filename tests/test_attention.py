@@ -1,0 +1,299 @@
+"""NVFP4 attention: exact when nothing is quantized, equal to an independent fake-quant reference
+when it is, tensor reuse really reusing, masking, shapes and dtypes, and the GPT hook."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4stack.nn.attention as attention
+from fp4stack import QuantSpec, fake_quantize
+from fp4stack.models import GPT, GPTConfig
+from fp4stack.nn.attention import AttentionQuant, fp4_attention, use_fp4_attention
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def inputs(B=1, H=2, S=32, L=None, d=32, Hkv=None, dtype=torch.float64, seed=0):
+    """q [B, H, S, d], k, v [B, Hkv, L, d] leaf tensors and an output gradient dO."""
+    L, Hkv = L or S, Hkv or H
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    q, k, v = draw(B, H, S, d), draw(B, Hkv, L, d), draw(B, Hkv, L, d)
+    return [t.requires_grad_() for t in (q, k, v)], draw(B, H, S, d)
+
+
+def run(qkv, do, **kw):
+    """fp4_attention's output and (dq, dk, dv) for output gradient do."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    o = fp4_attention(q, k, v, **kw)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def sdpa(qkv, do, mask=None, causal=False):
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def causal_mask(S, L):
+    return torch.ones(S, L, dtype=torch.bool).tril(L - S)
+
+
+# ---- an independent reference: fake_quantize plus the attention formulas, in float64 ----------
+def fq(t, dim):
+    """NVFP4 values of t quantized along `dim` (fp32 quantizer, fake_quantize's own padding)."""
+    x = t.transpose(dim, -1).float().contiguous()
+    return fake_quantize(x, spec=QuantSpec()).double().transpose(dim, -1)
+
+
+def reference(qkv, do, mask, reuse=True):
+    """The default config (Q, K, V, dS quantized) written out by hand, float64."""
+    q, k, v = (t.detach().double() for t in qkv)
+    do = do.double()
+    scale = 1 / math.sqrt(q.shape[-1])
+    qh, kh, vh = fq(q, -1), fq(k, -1), fq(v, -2)
+    p = ((qh @ kh.mT) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+    o = p @ vh
+    dv = p.mT @ do
+    dp = do @ (vh if reuse else fq(v, -1)).mT
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    dq = fq(ds, -1) @ (kh if reuse else fq(k, -2)) * scale
+    dk = fq(ds, -2).mT @ (qh if reuse else fq(q, -2)) * scale
+    return o, dq, dk, dv
+
+
+def assert_all_close(got, want, **tol):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---- exactness with every quantizer off ---------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+def test_off_equals_exact_attention(causal):
+    qkv, do = inputs(B=2, S=37, d=32)
+    got = run(qkv, do, causal=causal, config=AttentionQuant.off())
+    assert_all_close(got, sdpa(qkv, do, causal=causal), **TIGHT)
+
+
+def test_off_decode_gqa_and_scale_match_sdpa():
+    qkv, do = inputs(H=4, Hkv=2, S=5, L=21, d=16)
+    q, k, v = qkv
+    rep = [t.detach().repeat_interleave(2, dim=1) for t in (k, v)]
+    want_o, want_dq, dk, dv = sdpa([q, *rep], do, mask=causal_mask(5, 21))
+    got = run(qkv, do, config=AttentionQuant.off())
+    # GQA: a K/V head's gradient sums its two query heads'.
+    want = (want_o, want_dq, dk.unflatten(1, (2, 2)).sum(2), dv.unflatten(1, (2, 2)).sum(2))
+    assert_all_close(got, want, **TIGHT)
+    o = run(qkv, do, config=AttentionQuant.off(), scale=0.3, causal=False)[0]
+    want = F.scaled_dot_product_attention(q.detach(), *rep, scale=0.3)
+    torch.testing.assert_close(o, want, **TIGHT)
+
+
+# ---- the default config against the reference ---------------------------------------------
+@pytest.mark.parametrize(("S", "L", "d"), [(1, 1, 16), (17, 17, 32), (33, 33, 64), (32, 32, 16),
+                                           (7, 40, 32), (1, 19, 64)])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_default_matches_fake_quant_reference(S, L, d, reuse):
+    qkv, do = inputs(S=S, L=L, d=d, seed=S + L + d)
+    got = run(qkv, do, config=AttentionQuant(reuse=reuse))
+    assert_all_close(got, reference(qkv, do, causal_mask(S, L), reuse), **TIGHT)
+
+
+def test_padding_mask_matches_reference_and_empty_rows_give_zero():
+    qkv, do = inputs(B=2, S=20)
+    mask = torch.rand(2, 1, 20, 20, generator=torch.Generator().manual_seed(3)) < 0.6
+    mask |= torch.eye(20, dtype=torch.bool)
+    got = run(qkv, do, causal=False, mask=mask)
+    assert_all_close(got, reference(qkv, do, mask), **TIGHT)
+    mask[:, :, 4] = False  # query 4 may read nothing: zeros, as flash attention gives, not NaN
+    o, dq, dk, dv = run(qkv, do, causal=False, mask=mask)
+    assert all(torch.isfinite(t).all() for t in (o, dq, dk, dv))
+    assert (o[:, :, 4] == 0).all() and (dq[:, :, 4] == 0).all()
+
+
+# ---- tensor reuse --------------------------------------------------------------------------
+@pytest.fixture
+def spy(monkeypatch):
+    """Records (input, spec, seed) of every quantization fp4_attention makes."""
+    calls = []
+    real = attention.fake_quantize
+
+    def record(x, *, spec, seed=None):
+        calls.append((x.detach().clone(), spec, seed))
+        return real(x, spec=spec, seed=seed)
+
+    monkeypatch.setattr(attention, "fake_quantize", record)
+    return calls
+
+
+def padded(t, dim):  # t with `dim` moved last and zero-padded to whole 16-blocks, fp32
+    x = t.detach().transpose(dim, -1).float()
+    return F.pad(x, (0, -x.shape[-1] % 16))
+
+
+def test_reuse_backward_uses_the_forward_values_and_quantizes_only_ds(spy):
+    qkv, do = inputs(S=24, d=32, dtype=torch.float32)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    o = fp4_attention(q, k, v)
+    assert [c[0].shape for c in spy] == [padded(q, -1).shape, padded(k, -1).shape,
+                                         padded(v, -2).shape]
+    forward_calls = len(spy)
+    qh, kh, vh = o.grad_fn.saved_tensors[:3]
+    for saved, t, dim in ((qh, q, -1), (kh, k, -1), (vh, v, -2)):  # bitwise the forward's
+        assert torch.equal(saved, fq(t, dim).float())
+    o.backward(do)
+    backward = spy[forward_calls:]
+    assert len(backward) == 2  # dS along keys (for dQ) and along queries (for dK); nothing else
+    assert [c[0].shape for c in backward] == [(1, 2, 24, 32), (1, 2, 24, 32)]
+    for x, *_ in backward:
+        assert not any(torch.equal(x, padded(t, dim)) for t in (q, k, v) for dim in (-1, -2))
+
+
+def test_no_reuse_requantizes_along_each_reduction_dim_and_changes_grads(spy):
+    qkv, do = inputs(S=24, d=32, dtype=torch.float32)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    fp4_attention(q, k, v, config=AttentionQuant(reuse=False)).backward(do)
+    backward = [x for x, *_ in spy[3:]]
+    # q, k along d (the scores), v along d, k along keys, q along queries, dS twice.
+    assert len(backward) == 7
+
+    def requantized(t, dim):
+        return any(x.shape == padded(t, dim).shape and torch.equal(x, padded(t, dim))
+                   for x in backward)
+
+    assert requantized(q, -1) and requantized(k, -1)  # S recomputed from re-quantized Q, K
+    assert requantized(v, -1) and requantized(k, -2) and requantized(q, -2)  # the other direction
+    reuse = run(qkv, do)
+    no_reuse = run(qkv, do, config=AttentionQuant(reuse=False))
+    assert torch.equal(reuse[0], no_reuse[0]) and torch.equal(reuse[3], no_reuse[3])
+    assert not torch.allclose(reuse[1], no_reuse[1], rtol=1e-3)
+    assert not torch.allclose(reuse[2], no_reuse[2], rtol=1e-3)
+
+
+def test_reuse_recomputes_a_stochastic_p_with_the_forward_seed(spy):
+    sr = QuantSpec(rounding="stochastic", nan_policy="propagate")
+    qkv, do = inputs(S=16, dtype=torch.float32)
+    run(qkv, do, config=AttentionQuant(p=sr))
+    p_calls = [c for c in spy if c[1] == sr]
+    assert len(p_calls) == 2 and p_calls[0][2] == p_calls[1][2]  # same P, same seed
+    assert torch.equal(p_calls[0][0], p_calls[1][0])
+
+
+# ---- masking, shapes, dtypes ---------------------------------------------------------------
+def test_future_tokens_get_zero_gradient_and_no_influence():
+    qkv, do = inputs(S=48, d=16, dtype=torch.float32)
+    with torch.no_grad():  # keep each global amax in the past, so changing the future moves none
+        for t in qkv:
+            t[:, :, 0, 0] = 20.0
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    o = fp4_attention(q, k, v)
+    o[:, :, :16].sum().backward()
+    assert (k.grad[:, :, 16:] == 0).all() and (v.grad[:, :, 16:] == 0).all()
+    assert (q.grad[:, :, 16:] == 0).all() and k.grad[:, :, :16].abs().sum() > 0
+    # Keys and values from position 16 on (their own 16-blocks of V) change nothing before.
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, 16:] = torch.randn_like(k2[:, :, 16:])
+    v2[:, :, 16:] = torch.randn_like(v2[:, :, 16:])
+    o2 = fp4_attention(q.detach(), k2, v2)
+    assert torch.equal(o2[:, :, :16], o.detach()[:, :, :16])
+    assert not torch.equal(o2[:, :, 16:], o.detach()[:, :, 16:])
+
+
+def test_decode_rows_equal_the_last_rows_of_a_full_pass_when_off():
+    qkv, do = inputs(S=29, d=32)
+    q, k, v = (t.detach() for t in qkv)
+    off = AttentionQuant.off()
+    full = fp4_attention(q, k, v, config=off)
+    torch.testing.assert_close(fp4_attention(q[:, :, -3:], k, v, config=off), full[:, :, -3:],
+                               **TIGHT)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64])
+def test_bf16_in_bf16_out_close_to_fp32(d):
+    qkv, do = inputs(S=33, d=d, dtype=torch.bfloat16)
+    got = run(qkv, do)
+    assert all(t.dtype == torch.bfloat16 and torch.isfinite(t).all() for t in got)
+    want = run([t.detach().float() for t in qkv], do.float())
+    for a, b in zip(got, want, strict=True):  # one rounding of the result to bf16 apart
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "p", "ds", "dp"])
+def test_each_quantizer_flag_changes_the_result(name):
+    qkv, do = inputs(S=32, d=32, dtype=torch.float32)
+    base = run(qkv, do, config=AttentionQuant.off())
+    got = run(qkv, do, config=AttentionQuant.only(name))
+    changed = [not torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+               for a, b in zip(got, base, strict=True)]
+    # Forward-side tensors move the output; backward-only ones leave it exactly as it was.
+    assert changed[0] == (name in ("q", "k", "v", "p"))
+    assert changed[1] or changed[2] or changed[3]
+    if name not in ("q", "k", "v", "p"):
+        assert torch.equal(got[0], base[0])
+
+
+def test_config_validation():
+    with pytest.raises(TypeError, match="AttentionQuant.q"):
+        AttentionQuant(q="nvfp4")
+    with pytest.raises(ValueError, match="1x16"):
+        AttentionQuant(k=QuantSpec(block=(16, 16)))
+    with pytest.raises(ValueError, match="hadamard"):
+        AttentionQuant(v=QuantSpec(hadamard=True))
+    with pytest.raises(ValueError, match="unknown"):
+        AttentionQuant.only("o")
+    with pytest.raises(TypeError, match="reuse"):
+        AttentionQuant(reuse=1)
+    assert AttentionQuant(p=QuantSpec.none()).p is None
+    assert not AttentionQuant.off().quantizes and AttentionQuant.paper() == AttentionQuant()
+    assert AttentionQuant.paper().describe() == "quantized: q, k, v, ds; reuse=True"
+    (q, k, v), _ = inputs(S=4, d=16)
+    with pytest.raises(ValueError, match="head_dim"):
+        fp4_attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="S <= L"):
+        fp4_attention(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(TypeError, match="boolean"):
+        fp4_attention(q, k, v, mask=torch.ones(4, 4))
+    with pytest.raises(TypeError, match="AttentionQuant"):
+        fp4_attention(q, k, v, config=QuantSpec())
+
+
+# ---- the GPT hook --------------------------------------------------------------------------
+def test_off_gives_the_original_gpt_logits_with_and_without_padding():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny())
+    idx = torch.randint(0, 256, (2, 20))
+    pad = torch.ones(2, 20, dtype=torch.bool)
+    pad[0, :7] = False
+    want, want_padded = model(idx)[0], model(idx, attention_mask=pad)[0]
+    use_fp4_attention(model, AttentionQuant.off())
+    torch.testing.assert_close(model(idx)[0], want, rtol=1e-5, atol=1e-5)
+    got = model(idx, attention_mask=pad)[0]
+    torch.testing.assert_close(got[pad], want_padded[pad], rtol=1e-5, atol=1e-5)
+    out = model.generate(idx[:, :5], 4, temperature=0)  # KV-cache decoding: q shorter than k
+    torch.manual_seed(0)
+    assert torch.equal(out, GPT(GPTConfig.tiny()).generate(idx[:, :5], 4, temperature=0))
+
+
+def test_fp4_attention_gpt_trains():
+    torch.manual_seed(0)
+    model = use_fp4_attention(GPT(GPTConfig.tiny()))
+    idx = torch.randint(0, 256, (2, 24))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(4):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="no fp4stack Attention"):
+        use_fp4_attention(torch.nn.Linear(2, 2))

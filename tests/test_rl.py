@@ -227,3 +227,12 @@ def test_tasks_plug_in_by_module_path():
     task = load_task("fp4stack.data.tasks:ArithmeticTask", ops="mul", level=1, n_test=10)
     ex = task.test_set()[0]
     assert task.score(task.completion(ex), ex) == 1.0
+
+
+def test_a_bf16_engine_keeps_computed_constants_in_fp32():
+    base = policy()
+    base.register_buffer("inv_freq", torch.rand(8, dtype=torch.float32), persistent=False)
+    engine = RolloutEngine(base, TOK, "bf16", dtype=torch.bfloat16)
+    assert engine.model.inv_freq.dtype == torch.float32
+    assert torch.equal(engine.model.inv_freq, base.inv_freq)
+    assert engine.model.lm_head.weight.dtype == torch.bfloat16

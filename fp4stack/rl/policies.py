@@ -14,8 +14,12 @@ from torch import nn
 from ..data.char_tokenizer import CharTokenizer
 from ..data.tasks import Task
 from ..models.gpt import GPT
+from ..models.upcycle import moe_aux_loss, upcycle_gpt, upcycle_hf
 from ..train.config import MODEL_PRESETS, _suggest
 from . import policy as lm
+
+# GPTConfig.aux_loss_coef's default: HF's router_aux_loss_coef scale (see load_balance_loss).
+HF_AUX_LOSS_COEF = 0.001
 
 
 def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int,
@@ -37,8 +41,6 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
         except TypeError as e:
             raise ValueError(f"policy: {e}") from e
         if upcycle:
-            from ..models.upcycle import upcycle_gpt
-
             model = upcycle_gpt(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
         return model, tokenizer
     from ..analysis.sample_models import hf_directory, smollm2
@@ -46,10 +48,10 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
     loaded = smollm2() if kind == "smollm2" else hf_directory(spec["path"])
     if loaded.tokenizer is None:
         raise ValueError(f"policy {kind}: the model has no tokenizer; RL needs one")
-    model = loaded.model.float()
+    # .to, not .float(): transformers refuses .float() on a model loaded from GGUF (SmolLM2),
+    # although its weights are already dequantized to plain tensors.
+    model = loaded.model.to(torch.float32)
     if upcycle:
-        from ..models.upcycle import upcycle_hf
-
         upcycle_hf(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
     return model, lm.HFTokenizer(loaded.tokenizer)
 
@@ -91,8 +93,10 @@ def sft_warmup(model: nn.Module, tokenizer: lm.TokenizerLike, task: Task, *, ste
         tokens, mask, target = tokens.to(device), mask.to(device), target.to(device)
         logits = lm.forward_logits(model, tokens, mask)[:, :-1].float()
         loss = F.cross_entropy(logits[target[:, 1:]], tokens[:, 1:][target[:, 1:]])
-        if isinstance(model, GPT) and model.aux_loss is not None:  # keep MoE routers balanced
-            loss = loss + model.config.aux_loss_coef * model.aux_loss
+        aux = model.aux_loss if isinstance(model, GPT) else moe_aux_loss(model)
+        if aux is not None:  # keep MoE routers balanced (an upcycled HF model's too)
+            coef = model.config.aux_loss_coef if isinstance(model, GPT) else HF_AUX_LOSS_COEF
+            loss = loss + coef * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

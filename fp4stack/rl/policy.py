@@ -7,6 +7,8 @@ a KV cache (rollout decoding); `token_logprobs` scores whole sequences (trainer,
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Protocol
 
 import torch
@@ -59,7 +61,15 @@ def new_cache(model: nn.Module, batch: int, max_len: int) -> Any:
         return [KVCache(max_len) for _ in model.model.layers]
     from transformers import DynamicCache
 
-    return DynamicCache()
+    # The config gives each layer its cache type (sliding-window layers keep only their window).
+    return DynamicCache(config=model.config)
+
+
+@functools.cache
+def _cache_argument(model_type: type) -> str:
+    # transformers renamed forward's `past_key_values` to `cache` (the old name is deprecated).
+    params = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def step(model: nn.Module, idx: Tensor, mask: Tensor, cache: Any) -> Tensor:
@@ -68,8 +78,8 @@ def step(model: nn.Module, idx: Tensor, mask: Tensor, cache: Any) -> Tensor:
         logits, _ = model(idx, kv_caches=cache, attention_mask=mask)
         return logits
     pos = positions(mask)[:, -idx.shape[1]:]
-    out = model(input_ids=idx, attention_mask=mask.long(), position_ids=pos,
-                past_key_values=cache, use_cache=True)
+    out = model(input_ids=idx, attention_mask=mask.long(), position_ids=pos, use_cache=True,
+                **{_cache_argument(type(model)): cache})
     return out.logits
 
 
@@ -84,17 +94,20 @@ def forward_logits(model: nn.Module, tokens: Tensor, mask: Tensor) -> Tensor:
 
 def token_logprobs(model: nn.Module, tokens: Tensor, mask: Tensor, temperature: float = 1.0,
                    entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """log p(tokens[:, t] | tokens[:, :t]) at every column t >= 1, [B, L] float32 (column 0 and
-    pad columns hold 0). The sampling temperature divides the logits, as the engine sampled.
-    entropy=True also returns the (detached) entropy of each column's distribution."""
+    """log p(tokens[:, t] | tokens[:, :t]) at every real column with a real column before it,
+    [B, L] float32; every other column (pads, each row's first token) holds 0, so a padded row
+    scores as the sequence alone. The sampling temperature divides the logits, as the engine
+    sampled. entropy=True also returns the (detached) entropy of each column's distribution."""
     logits = forward_logits(model, tokens, mask)[:, :-1].float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
+    mask = mask.bool()
+    scored = F.pad(mask[:, 1:] & mask[:, :-1], (1, 0))  # a first token has no context to score
     lp = F.pad(logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))
-    lp = lp.masked_fill(~mask.bool(), 0.0)
+    lp = lp.masked_fill(~scored, 0.0)
     if not entropy:
         return lp
     with torch.no_grad():
         ent = -(logp_all.exp() * logp_all).sum(-1)
-    return lp, F.pad(ent, (1, 0)).masked_fill(~mask.bool(), 0.0)
+    return lp, F.pad(ent, (1, 0)).masked_fill(~scored, 0.0)

@@ -83,6 +83,18 @@ def _drop_forward_results(model: nn.Module) -> None:
                 setattr(module, name, None)
 
 
+def _restore_constants(copy_: nn.Module, original: nn.Module) -> None:
+    # Non-persistent buffers are computed constants (HF's rotary inv_freq): a BF16 copy of them
+    # would shift positions, a mismatch that has nothing to do with the GEMM precision.
+    persistent = set(copy_.state_dict())
+    originals = dict(original.named_buffers())
+    for name, buf in copy_.named_buffers():
+        if name not in persistent and name in originals and buf.dtype != originals[name].dtype:
+            module, _, attr = name.rpartition(".")
+            owner = copy_.get_submodule(module) if module else copy_
+            owner._buffers[attr] = originals[name].detach().clone().to(buf.device)
+
+
 class RolloutEngine:
     """Samples responses from a converted copy of `model` in `precision` (see the module doc).
 
@@ -108,6 +120,7 @@ class RolloutEngine:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         if dtype is not None:
             self.model.to(dtype)  # before packing: packed data, scales and amax keep their dtypes
+            _restore_constants(self.model, model)
         self.recipe = None
         self.amax_groups: list[list[str]] = []
         if PRECISIONS[precision] is not None:

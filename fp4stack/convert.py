@@ -87,7 +87,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, skip: tuple[str, ...]
     """
     recipe = get_recipe(recipe)
     summary = ConversionSummary(recipe.name)
-    if not recipe.quantizes:
+    if not recipe.quantizes and recipe.attention is None:
         summary.skipped.append(("*", f"recipe {recipe.name!r} quantizes nothing"))
         return summary
     master = recipe.with_(weight_storage="master")  # pack only after amax groups are known
@@ -113,6 +113,8 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, skip: tuple[str, ...]
                  else QuantHFExperts(module, recipe))
             _set(model, name, q)
             summary.converted.append((name, f"{module.gate_up_proj.shape[0]} experts"))
+    if recipe.attention is not None:
+        _use_fp4_attention(model, recipe, n_blocks, summary)
     _share_amax(model, summary)
     for module in model.modules():
         if isinstance(module, QuantLinear):
@@ -122,6 +124,27 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, skip: tuple[str, ...]
     if verbose:
         print(summary)
     return summary
+
+
+def _use_fp4_attention(model: nn.Module, recipe: Recipe, n_blocks: int,
+                       summary: ConversionSummary) -> None:
+    from .models.gpt import Attention
+    from .nn.attention import make_attend
+
+    found = False
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        found = True
+        reason = _skip_reason(name, (), recipe, n_blocks)
+        if reason:
+            summary.skipped.append((name, f"attention: {reason}"))
+        else:
+            module.attend = make_attend(recipe.attention)
+            summary.converted.append((name, "fp4 attention"))
+    if not found:
+        summary.skipped.append(("*", "attention: FP4 attention plugs into fp4stack GPT blocks "
+                                "only; this model's attention is left as it is"))
 
 
 def _share_amax(model: nn.Module, summary: ConversionSummary) -> None:

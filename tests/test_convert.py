@@ -146,3 +146,23 @@ def test_calibration_sets_static_activation_amax_and_channels():
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="no QuantLinear"):
         calibrate(hf_model("llama"), batches)
+
+
+def test_fullstack_recipe_swaps_attention_outside_the_kept_blocks():
+    from fp4stack.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layers=3))
+    plain = GPT(GPTConfig.tiny(n_layers=3))
+    plain.load_state_dict(model.state_dict())
+    recipe = fp4stack.recipe("fullstack").with_(keep_last_blocks=1, lowrank=None)
+    summary = fp4stack.quantize_model(model, recipe)
+    swapped = [n for n, kind in summary.converted if kind == "fp4 attention"]
+    assert swapped == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert any(n == "model.layers.2.self_attn" for n, _ in summary.skipped)
+    x = torch.randint(0, 256, (2, 32))
+    logits, _ = model(x)
+    assert torch.isfinite(logits).all()
+    # Only the attention differs between this and the same recipe without FP4 attention.
+    fp4stack.quantize_model(plain, recipe.with_(attention=None))
+    assert not torch.equal(plain(x)[0], logits)

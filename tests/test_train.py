@@ -24,8 +24,8 @@ from fp4stack.nn.recipe import PRESETS, LowRank
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
 from fp4stack.train.checkpoint import checkpoint_dirs, latest_checkpoint
+from fp4stack.train.optimizers import param_groups
 from fp4stack.train.schedule import lr_at
-from fp4stack.train.trainer import param_groups
 
 VOCAB = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -338,3 +338,27 @@ def test_cli_pretrain(data, tmp_path, capsys):
     assert "fp4stack data build" in capsys.readouterr().err
     assert main(["pretrain", "--config", str(cfg), "--recipe", "nvfp5"]) == 2
     assert "recipe 'nvfp5' is unknown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("optimizer", ["adamw4", "muon", "muon4"])
+def test_nvfp4_state_optimizers_train_and_resume_exactly(data, tmp_path, optimizer):
+    # dim 64: the 64x64 and 128x64 matrices are large enough (4096 values) for NVFP4 states.
+    model = {"preset": "tiny", "dim": 64, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1,
+             "ffn_hidden": 128}
+    kw = dict(model=model, optimizer=optimizer, muon_lr=0.02, lr=3e-3)
+    full = train(config(data, tmp_path / "full", max_steps=4, **kw))
+    train(config(data, tmp_path / "split", max_steps=2, lr_decay_steps=4, **kw))
+    train(config(data, tmp_path / "split", max_steps=4, **kw), resume=True)
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "split")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert a[-1]["loss"] < a[0]["loss"] and math.isfinite(full["final_val_loss"])
+
+
+def test_unknown_optimizer_is_refused(data, tmp_path):
+    with pytest.raises(ValueError, match="optimizer 'adam' is unknown"):
+        config(data, tmp_path, optimizer="adam")
+
+
+def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path):
+    result = train(config(data, tmp_path, recipe="fullstack", max_steps=3))
+    assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])

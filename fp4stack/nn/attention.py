@@ -286,11 +286,13 @@ def use_fp4_attention(model, config: AttentionQuant | None = None):
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no fp4stack Attention block")
     for attn in blocks:
-        attn.attend = _make_attend(config)
+        attn.attend = make_attend(config)
     return model
 
 
-def _make_attend(config: AttentionQuant):
+def make_attend(config: AttentionQuant):
+    """An `Attention.attend` replacement computing fp4_attention with `config`."""
+
     def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         return fp4_attention(q, k, v, causal=mask is None, config=config, mask=mask)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..formats.spec import QuantSpec
+from .attention import AttentionQuant
 
 WeightStorage = Literal["master", "packed"]
 
@@ -88,6 +89,8 @@ class Recipe:
     keep_last_blocks: int = 0
     compensation: ResidualCompensation | None = None
     lowrank: LowRank | None = None
+    attention: AttentionQuant | None = None  # FP4 attention in fp4stack GPT blocks
+    optimizer_states: Literal["fp32", "nvfp4"] = "fp32"  # nvfp4: AdamW4 / Muon4 in training
 
     def __post_init__(self) -> None:
         if self.weight_storage not in ("master", "packed"):
@@ -113,6 +116,11 @@ class Recipe:
         if had[0] != had[1]:
             raise ValueError("Recipe.x_wgrad and Recipe.dy_wgrad must both use hadamard or "
                              "neither: the transform cancels only between two operands")
+        if self.optimizer_states not in ("fp32", "nvfp4"):
+            raise ValueError(f"Recipe.optimizer_states must be 'fp32' or 'nvfp4', "
+                             f"got {self.optimizer_states!r}")
+        if self.attention is not None and not isinstance(self.attention, AttentionQuant):
+            raise ValueError("Recipe.attention must be an AttentionQuant (or None)")
         if self.keep_first_blocks < 0 or self.keep_last_blocks < 0:
             raise ValueError("Recipe.keep_first_blocks and keep_last_blocks must be >= 0")
 
@@ -152,6 +160,9 @@ def _presets() -> dict[str, Recipe]:
             keep_last_blocks=1,
         ),
         "lowrank": nvfp4.with_(name="lowrank", lowrank=LowRank()),
+        # Full-Stack FP4: lowrank linears, NVFP4 optimizer states, FP4 attention with reuse.
+        "fullstack": nvfp4.with_(name="fullstack", lowrank=LowRank(), optimizer_states="nvfp4",
+                                 attention=AttentionQuant.paper()),
         "qat-w": Recipe("qat-w", w=rne),
         "w8a8": Recipe("w8a8", x=fp8, w=fp8),  # FP8 rollouts: 1x128 activations, 128 weights
         "w4a4": w4a4,
@@ -163,7 +174,8 @@ PRESETS: dict[str, Recipe] = _presets()
 
 
 def recipe(name: str) -> Recipe:
-    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, w8a8, w4a4, w4a4-rc."""
+    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, fullstack, qat-w, w8a8, w4a4,
+    w4a4-rc."""
     if isinstance(name, Recipe):
         return name
     if name not in PRESETS:

@@ -2,7 +2,8 @@
 
 DIR/checkpoints/step_00000100/ holds
   model.safetensors   full (unsharded) model state: master weights and buffers (low-rank factors)
-  optimizer.pt        full AdamW state, keyed by parameter name (torch.save)
+  optimizer.pt        full optimizer state (torch.save): torch's keyed by parameter name,
+                      fp4stack's NVFP4-state optimizers' own state_dict
   rng_rank{r}.pt      each rank's torch RNG states (CPU generator: stochastic-rounding seeds)
   state.json          step, token count, NaN-skip counters, low-rank refresh counters, config
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
@@ -83,12 +84,20 @@ def _fsync_dir_files(path: Path) -> None:
             os.fsync(fh.fileno())
 
 
+def _by_name(optimizer: torch.optim.Optimizer) -> bool:
+    # torch's optimizers go through DCP's helpers (keyed by parameter name, FSDP2-aware);
+    # fp4stack's NVFP4-state optimizers hold inner optimizers and packed states that those
+    # helpers do not know, so their own state_dict (keyed by position) is saved as is.
+    return type(optimizer).__module__.startswith("torch.")
+
+
 def save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], env: DistEnv, keep: int) -> Path:
     """Write the checkpoint of `step` atomically; every rank calls this (FSDP2 gathers)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    optim_sd = (get_optimizer_state_dict(model, optimizer, options=options)
+                if _by_name(optimizer) else optimizer.state_dict())
     root = Path(out_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
@@ -127,8 +136,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     model_sd = load_file(str(path / "model.safetensors"), device="cpu")
     set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
     optim_sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    set_optimizer_state_dict(model, optimizer, optim_sd,
-                             options=StateDictOptions(full_state_dict=True))
+    if _by_name(optimizer):
+        set_optimizer_state_dict(model, optimizer, optim_sd,
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(optim_sd)
     rng = path / f"rng_rank{env.rank}.pt"
     if not rng.exists():  # resumed with more ranks than were saved: rank 0's stream
         rng = path / "rng_rank0.pt"

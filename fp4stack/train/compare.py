@@ -37,9 +37,10 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     """Train every recipe at every seed in `seeds` (and BF16 at the extra `baseline_seeds`) from
     one config.
 
-    Each run writes to out/<recipe>-s<seed>; a finished run (its result.json present) is reused,
-    so an interrupted comparison picks up where it stopped. train_missing=False reports on the
-    finished runs only and trains nothing.
+    A run is a recipe name, or "recipe+optimizer" (e.g. "bf16+adamw4") to change the config's
+    optimizer. Each run writes to out/<run>-s<seed>; a finished run (its result.json present) is
+    reused, so an interrupted comparison picks up where it stopped. train_missing=False reports
+    on the finished runs only and trains nothing.
     """
     out = Path(out)
     if not seeds:
@@ -55,7 +56,9 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
         elif not train_missing:
             continue
         else:
-            cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir), **overrides)
+            name, _, optimizer = recipe.partition("+")  # "bf16+adamw4": recipe + optimizer
+            cfg = load_config(config, recipe=name, seed=s, out=str(run_dir),
+                              optimizer=optimizer or None, **overrides)
             result = train(cfg)
         rows.append(RunRow(recipe, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
@@ -181,7 +184,8 @@ def plot_curves(rows: list[RunRow], path: Path) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config shared by every run")
     p.add_argument("--recipes", default="bf16,nvfp4,nvfp4-nvidia,lowrank",
-                   help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank)")
+                   help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank); "
+                   "recipe+optimizer (e.g. bf16+adamw4, bf16+muon4) changes the optimizer")
     p.add_argument("--seeds", default="0",
                    help="seeds every recipe runs at, comma-separated (default 0)")
     p.add_argument("--baseline-seeds", default="",

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..models.gpt import GPTConfig
 from ..nn.recipe import PRESETS
+from .optimizers import OPTIMIZERS
 
 MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
                  "small": GPTConfig.small, "small-moe": GPTConfig.small_moe}
@@ -55,6 +56,8 @@ class PretrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0  # model init, data order and stochastic rounding
     recipe: str = "bf16"
+    optimizer: str = "adamw"  # adamw, adamw4 (NVFP4 states), muon, muon4 (NVFP4 Newton-Schulz)
+    muon_lr: float = 0.02  # learning rate of Muon's matrices (the rest use lr)
     max_nan_skips: int = 5  # consecutive non-finite steps skipped before training stops
     out: str = "runs/pretrain/{recipe}"  # "{recipe}" is replaced by the recipe name
     distributed: str = "ddp"  # under torchrun with several processes: ddp or fsdp2
@@ -70,7 +73,7 @@ class PretrainConfig:
             _int(name, getattr(self, name), minimum=0)
         if self.lr_decay_steps is not None:
             _int("lr_decay_steps", self.lr_decay_steps, minimum=1)
-        for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip"):
+        for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "muon_lr"):
             setattr(self, name, _float(name, getattr(self, name)))
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -83,6 +86,9 @@ class PretrainConfig:
                              f"micro_batch_size {self.micro_batch_size}")
         if self.recipe not in PRESETS:
             raise ValueError(f"recipe {self.recipe!r} is unknown; choose one of {sorted(PRESETS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of "
+                             f"{list(OPTIMIZERS)}")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

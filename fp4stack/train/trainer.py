@@ -28,11 +28,13 @@ from ..convert import quantize_model
 from ..data.shards import TokenShards
 from ..models.gpt import GPT
 from ..nn.linear import QuantLinear
+from ..nn.recipe import recipe as get_recipe
 from . import distributed
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DATA_COMMANDS, PretrainConfig
 from .distributed import DistEnv
 from .metrics import MetricsLogger
+from .optimizers import build_optimizer, set_lr
 from .schedule import lr_at
 
 # Config fields a resumed run must share with its checkpoint: anything else would make a
@@ -65,19 +67,6 @@ def build_model(cfg: PretrainConfig, vocab_size: int, device: torch.device):
     model = GPT(cfg.model_config(vocab_size)).to(device)
     summary = quantize_model(model, cfg.recipe)
     return model, summary
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decoupled weight decay on matrices only. Norm gains, biases and embeddings
-    are not decayed (shrinking a gain or a token's embedding toward 0 is not regularisation)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.ndim < 2 or "embed" in name or "norm" in name
-        (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
 
 
 def val_chunks(val: TokenShards, cfg: PretrainConfig, env: DistEnv) -> list[torch.Tensor]:
@@ -230,9 +219,17 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
     gpt = model
     if env.is_main:
         print(summary, flush=True)
+    if env.distributed and cfg.distributed == "fsdp2" and (
+            cfg.optimizer != "adamw" or get_recipe(cfg.recipe).optimizer_states != "fp32"):
+        raise ValueError(f"optimizer {cfg.optimizer!r} is not supported under FSDP2 (its NVFP4 "
+                         "states are not sharded); use --distributed ddp or optimizer adamw")
     model = distributed.wrap(model, cfg.distributed, env)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda")
+    optimizer_name = cfg.optimizer
+    if get_recipe(cfg.recipe).optimizer_states == "nvfp4" and not cfg.optimizer.endswith("4"):
+        optimizer_name += "4"  # the recipe stores optimizer states in NVFP4
+    optimizer = build_optimizer(model, optimizer_name, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr,
+                                seed=cfg.seed, fused=device.type == "cuda")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())
 
@@ -253,7 +250,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
     n_params = gpt.num_params()
     say(f"pretrain: {n_params / 1e6:.2f}M parameters"
         + (f" ({gpt.num_params(active=True) / 1e6:.2f}M active)" if gpt.config.moe else "")
-        + f", recipe {cfg.recipe}, {env.world_size} x {device}"
+        + f", recipe {cfg.recipe}, optimizer {optimizer_name}, {env.world_size} x {device}"
         + (f" ({cfg.distributed})" if env.distributed else "")
         + f", {cfg.global_batch_size} x {cfg.seq_len} = {tokens_per_step} tokens/step "
         f"(micro {cfg.micro_batch_size} x {accum} accumulation), steps {start_step} -> "
@@ -272,8 +269,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
         for step in range(start_step, cfg.max_steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr)
             x, y = train_data.train_batch(step, cfg.global_batch_size, cfg.seq_len, seed=cfg.seed,
                                           rank=env.rank, world_size=env.world_size)
             if device.type == "cuda":
@@ -346,7 +342,8 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
         "final_val_loss": val_loss,
         "tokens_per_s": steps_run * tokens_per_step / train_s if train_s else math.nan,
         "train_s": train_s, "wall_s": time.perf_counter() - wall_start,
-        "nan_skips": skips_total, "params": n_params, "world_size": env.world_size,
+        "nan_skips": skips_total, "params": n_params, "optimizer": optimizer_name,
+        "world_size": env.world_size,
         "device": str(device), "out": str(out),
     }
     if device.type == "cuda":

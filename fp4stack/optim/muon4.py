@@ -1,0 +1,459 @@
+"""Muon with NVFP4 Newton-Schulz and an NVFP4 momentum buffer.
+
+Muon orthogonalises the (Nesterov) momentum of each hidden weight matrix with a quintic
+Newton-Schulz iteration and steps along the result. Muon4 runs that iteration with every GEMM
+operand quantized to NVFP4 (1x16 blocks along the GEMM's reduction dim, fp32 accumulation) and
+keeps the momentum buffer as NVFP4 (0.5625 bytes per parameter instead of 4). Parameters that Muon
+should not touch (embeddings, LM head, norms, biases, routers) are stepped by AdamW4 inside the
+same optimizer, so one `.step()` updates the whole model.
+
+`quantize=False` is plain Muon in the same optimizer (only the Newton-Schulz step and the momentum
+storage change): its results equal torch.optim.Muon's bit for bit (bf16 Newton-Schulz, the same
+lr conventions) and the other parameters get torch's fp32 AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..api import dequantize, fake_quantize, quantize
+from ..formats.random import lowbias32_int
+from ..formats.spec import QuantSpec
+from ..formats.tensor import NVFP4Tensor
+from .adamw4 import AdamW4
+
+# Keller Jordan's quintic: its slope at zero is a = 3.4445, so five steps lift singular values
+# from ~1e-3 of the norm into roughly [0.7, 1.2] without converging exactly to 1.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# RNE for the Newton-Schulz operands (they are forward-like GEMM inputs); no NaN check on the hot
+# path: a non-finite gradient propagates, as in torch.optim.Muon.
+NS_SPEC = QuantSpec(nan_policy="propagate")
+# With NVFP4 operands, X is scaled so its top singular value stays <= CAP: the quintic maps
+# (0, 1.2] into (0, 1.2023] but diverges above ~1.27. 1.2 gave the lowest error among 1.1-1.25.
+CAP = 1.2
+# Power iterations for the Gram's top eigenvalue: with eigenvalues clustered near 1, 8 of them
+# underestimate it by up to 13%, 16 by up to 6%.
+POWER_ITERS = 16
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+_NS_DTYPES = (torch.bfloat16, torch.float32)
+_ROUNDINGS = ("stochastic", "rne")
+_FIELDS = ("data", "scales", "amax")
+_SEED_SALT = 0x4D554F4E  # keeps Muon4's rounding bits apart from AdamW4's for the same seed
+
+
+def _gemm(left: Tensor, right: Tensor, bias: Tensor | None = None, *,
+          alpha: float = 1.0, beta: float = 1.0) -> Tensor:
+    """alpha * left @ right + beta * bias: the one place Newton-Schulz multiplies."""
+    if bias is None:
+        return torch.mm(left, right)
+    return torch.addmm(bias, left, right, beta=beta, alpha=alpha)
+
+
+def _operand(x: Tensor, spec: QuantSpec | None, reduce_dim: int) -> Tensor:
+    """A GEMM operand as NVFP4 values (fp32) with blocks along `reduce_dim`, or x itself."""
+    if spec is None:
+        return x
+    if reduce_dim == 0:  # a right operand: quantize its transpose row-wise ("column-wise")
+        return fake_quantize(x.T.float().contiguous(), spec=spec).T
+    return fake_quantize(x.float().contiguous(), spec=spec)
+
+
+def _top_eigenvalue(gram: Tensor, iters: int = POWER_ITERS) -> Tensor:
+    """Estimate of the largest eigenvalue of a PSD matrix (power iteration: fp32 matvecs, no
+    GEMM, no host sync)."""
+    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    for _ in range(iters):
+        v = gram @ v
+        v = v / v.norm().clamp(min=1e-30)
+    return v @ (gram @ v)
+
+
+def _split_diagonal(m: Tensor) -> tuple[Tensor, Tensor]:
+    d = m.diagonal()
+    return d, m - torch.diag(d)
+
+
+def _plain_step(x: Tensor, a: float, b: float, c: float) -> Tensor:
+    """One quintic step in x's dtype: torch.optim.Muon's operations, in its order."""
+    gram = _gemm(x, x.T)
+    poly = _gemm(gram, gram, gram, alpha=c, beta=b)
+    return _gemm(poly, x, x, beta=a)
+
+
+def _nvfp4_step(x: Tensor, spec: QuantSpec, a: float, b: float, c: float) -> Tensor:
+    """One quintic step with NVFP4 GEMM operands (fp32 accumulation, fp32 in between).
+
+    Two guards keep FP4 noise from blowing the iteration up (naively, five steps diverge):
+    - the Gram of a near-orthogonal X is diagonal-heavy, and in a 1x16 block the diagonal
+      entry sets the scale, flushing the off-diagonal entries that carry the non-orthogonality.
+      So A = D + O and P = aI + bA + cA² = D_P + O_P are split: the diagonal parts act as exact
+      fp32 row/column scalings and only O·O and O_P·X run as FP4 GEMMs;
+    - NVFP4 X perturbs the Gram's spectrum by ~10-20%, and the quintic diverges for singular
+      values above ~1.27. X is scaled down whenever the Gram's top eigenvalue estimate exceeds
+      CAP² (noise-free iterates stay below CAP, so then this is a no-op).
+    """
+    xq = _operand(x, spec, 1)
+    gram = _gemm(xq, xq.T)  # reduces over X's columns: X row-wise on both sides
+    scale = (_top_eigenvalue(gram).clamp(min=0).sqrt() / CAP).clamp(min=1.0)
+    x, gram = x / scale, gram / scale**2
+    d, off = _split_diagonal(gram)
+    square = _gemm(_operand(off, spec, 1), _operand(off, spec, 0))  # O·O: reduces over O's cols
+    square = square + d[:, None] * off + off * d[None, :] + torch.diag(d * d)  # (D + O)²
+    poly = c * square + b * gram + a * torch.eye(len(d), dtype=gram.dtype, device=gram.device)
+    pd, poff = _split_diagonal(poly)
+    return pd[:, None] * x + _gemm(_operand(poff, spec, 1), _operand(x, spec, 0))  # over X's rows
+
+
+def newton_schulz(
+    g: Tensor,
+    steps: int = 5,
+    spec: QuantSpec | None = None,
+    eps: float = 1e-7,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+) -> Tensor:
+    """The quintic Newton-Schulz orthogonalisation of a matrix g, returned in `dtype`.
+
+    X = g / ||g||_F (transposed if tall, so the Gram matrix is the small side), then `steps` times
+    X <- aX + (bA + cA²)X with A = XXᵀ. X is rounded to `dtype` after every step.
+
+    spec=None: every GEMM runs natively in `dtype`; with bf16 (the default) this is
+    torch.optim.Muon's arithmetic bit for bit. With a spec every GEMM operand is NVFP4 along that
+    GEMM's reduction dim (the right operand column-wise, with its own amax) and accumulates in
+    fp32: A = Q(X)Q(X)ᵀ reduces over X's columns; A's off-diagonal part squared, O·O, reduces
+    over O's shared dim; the off-diagonal part of the polynomial times X reduces over X's rows.
+    See _nvfp4_step for the diagonal split and the spectral cap this needs to stay stable.
+    """
+    if g.dim() != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
+    if not isinstance(steps, int) or not 0 <= steps < 100:
+        raise ValueError(f"steps must be an int in [0, 100), got {steps!r}")
+    if not g.is_floating_point():
+        raise ValueError(f"newton_schulz needs a floating matrix, got {g.dtype}")
+    if spec is not None and dtype not in _NS_DTYPES:
+        raise ValueError(f"with a spec, dtype must be one of {_NS_DTYPES}, got {dtype}")
+    x = g.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        if spec is None:
+            x = _plain_step(x, *coefficients)
+        else:
+            x = _nvfp4_step(x.float(), spec, *coefficients).to(dtype)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, rows: int, cols: int, adjust_lr_fn: str = "original") -> float:
+    """The step size of one (rows x cols) matrix, as torch.optim.Muon's adjust_lr_fn defines it.
+
+    "original" (Keller Jordan): lr * sqrt(max(1, rows / cols)), so the update's RMS does not shrink
+    for tall matrices; lr around 0.02. "match_rms_adamw" (Moonshot): lr * 0.2 * sqrt(max(rows,
+    cols)), an update RMS like AdamW's, so AdamW's lr and weight decay carry over.
+    """
+    if adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def state_seed(seed: int, param_index: int, matrix: int, step: int) -> int:
+    """Seed of the stochastic rounding of one momentum matrix at one step (fresh bits every
+    step, yet a run, or a run resumed from a state_dict, repeats bit for bit)."""
+    h = lowbias32_int((seed ^ (seed >> 32)) ^ _SEED_SALT)
+    for v in (param_index, matrix, step):
+        h = lowbias32_int(h ^ lowbias32_int(v ^ (v >> 32)))
+    return h
+
+
+def _is_router(name: str) -> bool:
+    # fp4stack: ...mlp.router.gate; Hugging Face MoEs: ...mlp.gate / block_sparse_moe.gate.
+    parts = name.split(".")
+    return "router" in parts or parts[-1] == "gate"
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(muon_params, adamw_params) by common Muon practice.
+
+    Muon: 2-D weights of hidden linear layers and 3-D stacked expert weights [E, out, in] (each
+    expert matrix orthogonalised on its own). AdamW: embeddings, the LM head (and anything tied to
+    an embedding), MoE routers, and every parameter with fewer than 2 dims (norms, biases).
+    """
+    special: set[int] = set()
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in model.named_modules():
+        head = name.split(".")[-1] in ("lm_head", "output") or module is output
+        if isinstance(module, nn.Embedding) or head or _is_router(name):
+            special.update(id(p) for p in module.parameters())
+    muon: list[nn.Parameter] = []
+    adamw: list[nn.Parameter] = []
+    for p in model.parameters():  # yields each shared (tied) parameter once
+        (muon if p.dim() in (2, 3) and id(p) not in special else adamw).append(p)
+    return muon, adamw
+
+
+def _as_groups(params: Any) -> list[dict[str, Any]]:
+    """params as a list of group dicts, each with a list of tensors."""
+    if params is None:
+        return []
+    if isinstance(params, Tensor):
+        raise TypeError("params must be an iterable of tensors or dicts, got a single Tensor")
+    items = list(params)
+    if items and not isinstance(items[0], dict):
+        items = [{"params": items}]
+    return [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor)
+             else list(g["params"])} for g in items]
+
+
+def _route(params: Any, adamw_params: Any) -> list[dict[str, Any]]:
+    """Muon groups (their non-matrix params moved to AdamW groups) followed by AdamW groups."""
+    muon, adamw = [], []
+    for group in _as_groups(params):
+        ps = group["params"]
+        if not group.setdefault("use_muon", True):
+            adamw.append(group)
+            continue
+        matrices = [p for p in ps if p.dim() in (2, 3)]
+        others = [p for p in ps if p.dim() not in (2, 3)]
+        if matrices:
+            muon.append({**group, "params": matrices})
+        if others:  # detected: vectors and scalars cannot be orthogonalised
+            adamw.append({"params": others, "use_muon": False})
+    return muon + adamw + [{**g, "use_muon": False} for g in _as_groups(adamw_params)]
+
+
+class Muon4(torch.optim.Optimizer):
+    """Muon for hidden matrices, with NVFP4 Newton-Schulz operands and NVFP4 momentum, plus
+    AdamW4 for every other parameter, in one optimizer.
+
+    Per Muon matrix W (rows x cols) with gradient G and momentum M (torch.optim.Muon's form):
+        M <- momentum * M + (1 - momentum) * G
+        U  = (1 - momentum) * G + momentum * M  if nesterov else M
+        W <- W * (1 - lr * weight_decay) - adjusted_lr(lr, rows, cols) * NS(U)
+    with adjusted_lr "original": lr * sqrt(max(1, rows / cols)). A 3-D parameter [E, out, in]
+    (stacked experts) is E matrices, each with its own NS and its own NVFP4 momentum scale.
+
+    quantize=True: NS GEMM operands in NVFP4 (RNE, 1x16 along each reduction dim, fp32
+    accumulation) and the momentum stored as NVFP4 (1x16 blocks, one amax per matrix) with
+    `state_rounding`. "stochastic" is the default because it is unbiased: under noisy gradients
+    RNE's rounding errors repeat from step to step and pile up (stored momentum 0.44-0.50 away
+    from the fp32 EMA after 100-200 steps, against a steady 0.38 with SR); the loss of a tiny GPT
+    did not tell the two apart. The AdamW part is AdamW4 with its defaults.
+    quantize=False: bf16 NS, fp32 momentum and torch's AdamW, i.e. torch.optim.Muon plus
+    torch.optim.AdamW. quantize_ns / quantize_state set the two Muon halves separately.
+
+    Which parameters get AdamW: `adamw_params` (tensors or groups), groups of `params` marked
+    {"use_muon": False}, and every parameter of `params` with fewer than 2 or more than 3 dims.
+    `split_params(model)` makes the usual split. LR schedulers see all groups; an AdamW group's
+    lr, betas, eps and weight_decay are passed to the inner AdamW at each step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        *,
+        quantize: bool = True,
+        adamw_params: Iterable[Tensor] | Iterable[dict[str, Any]] | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        seed: int = 0,
+        adjust_lr_fn: str = "original",
+        ns_dtype: torch.dtype = torch.bfloat16,
+        state_rounding: str = "stochastic",
+        quantize_ns: bool | None = None,
+        quantize_state: bool | None = None,
+    ) -> None:
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if ns_dtype not in _NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {_NS_DTYPES}, got {ns_dtype}")
+        if state_rounding not in _ROUNDINGS:
+            raise ValueError(f"state_rounding must be one of {_ROUNDINGS}, "
+                             f"got {state_rounding!r}")
+        self.quantize = quantize
+        self.quantize_ns = quantize if quantize_ns is None else quantize_ns
+        self.quantize_state = quantize if quantize_state is None else quantize_state
+        self.seed, self.ns_dtype, self.state_rounding = seed, ns_dtype, state_rounding
+        self.muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                                  weight_decay=weight_decay, ns_steps=ns_steps,
+                                  adjust_lr_fn=adjust_lr_fn, use_muon=True)
+        self.adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                                   weight_decay=adamw_weight_decay, use_muon=False)
+        self.adamw: torch.optim.Optimizer | None = None
+        # Empty torch defaults: each group is filled from the defaults of its own kind instead.
+        super().__init__(_route(params, adamw_params), {})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        kind = param_group.setdefault("use_muon", True)
+        for key, value in (self.muon_defaults if kind else self.adamw_defaults).items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if kind:
+            _check_muon_group(group)
+        else:
+            self._add_adamw_group(group)
+
+    def _add_adamw_group(self, group: dict[str, Any]) -> None:
+        inner = {"params": group["params"], **_adamw_hyper(group)}
+        if self.adamw is not None:
+            self.adamw.add_param_group(inner)
+        elif self.quantize:
+            self.adamw = AdamW4([inner], seed=self.seed)
+        else:
+            self.adamw = torch.optim.AdamW([inner], foreach=False)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step of Muon on the matrices and AdamW on the rest; params without grad skip."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0  # position among the Muon params: part of the SR seed, stable across reloads
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_param(p, group, index)
+                index += 1
+        if self.adamw is not None:
+            outer = [g for g in self.param_groups if not g["use_muon"]]
+            for mine, inner in zip(outer, self.adamw.param_groups, strict=True):
+                inner.update(_adamw_hyper(mine))  # schedulers change the outer groups
+            self.adamw.step()
+        return loss
+
+    def _step_param(self, p: Tensor, group: dict[str, Any], index: int) -> None:
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("Muon4 does not support sparse gradients")
+        if torch.is_complex(p):
+            raise RuntimeError("Muon4 does not support complex parameters")
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] += 1
+        step = int(state["step"].item())
+        mu = group["momentum"]
+        g = grad.float()
+        buf = self._load_momentum(p, state)
+        buf.lerp_(g, 1 - mu)
+        update = g.lerp(buf, mu) if group["nesterov"] else buf
+        if self.quantize_state:
+            self._store_momentum(p, state, buf, index, step)
+        else:
+            state["momentum_buffer"] = buf
+        rows, cols = p.shape[-2:]
+        lr_adj = adjusted_lr(group["lr"], rows, cols, group["adjust_lr_fn"])
+        spec = NS_SPEC if self.quantize_ns else None
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        for w, u in zip(p.view(-1, rows, cols), update.view(-1, rows, cols), strict=True):
+            w.add_(newton_schulz(u, group["ns_steps"], spec, dtype=self.ns_dtype), alpha=-lr_adj)
+
+    def _state_spec(self) -> QuantSpec:
+        return QuantSpec(rounding=self.state_rounding, nan_policy="propagate")
+
+    def _load_momentum(self, p: Tensor, state: dict[str, Any]) -> Tensor:
+        """The momentum as fp32 [*p.shape] (zeros at the first step)."""
+        if "momentum_buffer" in state:
+            return state["momentum_buffer"]
+        if "momentum_data" not in state:
+            return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        rows, cols = p.shape[-2:]
+        fields = [state[f"momentum_{f}"] for f in _FIELDS]
+        data, scales = (t.view(-1, rows, t.shape[-1]) for t in fields[:2])
+        mats = [
+            dequantize(NVFP4Tensor(d, s, a, (rows, cols), self._state_spec()))
+            for d, s, a in zip(data, scales, fields[2].reshape(-1), strict=True)
+        ]
+        return torch.stack(mats).view(p.shape)
+
+    def _store_momentum(self, p: Tensor, state: dict[str, Any], buf: Tensor, index: int,
+                        step: int) -> None:
+        """Quantize each momentum matrix on its own (own amax) and keep the stacked fields."""
+        rows, cols = p.shape[-2:]
+        spec = self._state_spec()
+        qs = [quantize(m, spec=spec, seed=state_seed(self.seed, index, e, step))
+              for e, m in enumerate(buf.view(-1, rows, cols))]
+        lead = p.shape[:-2]
+        state["momentum_data"] = torch.stack([q.data for q in qs]).view(*lead, rows, -1)
+        state["momentum_scales"] = torch.stack([q.scales for q in qs]).view(*lead, rows, -1)
+        state["momentum_amax"] = torch.stack([q.amax for q in qs]).view(lead)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout for the Muon states, plus the inner AdamW's under "adamw"."""
+        sd = super().state_dict()
+        if self.adamw is not None:
+            sd["adamw"] = self.adamw.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of a Muon4 with the same groups; states keep their saved dtypes.
+
+        torch's loader casts floating states to the parameter's dtype (E4M3 scales to fp32, the
+        fp32 amax and momentum to a bf16 parameter's dtype), so the saved tensors are put back.
+        """
+        sd = dict(state_dict)
+        inner = sd.pop("adamw", None)
+        if (inner is None) != (self.adamw is None):
+            raise ValueError("state_dict and optimizer disagree on having AdamW parameters")
+        super().load_state_dict(sd)
+        saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params, strict=True):
+            if pid in sd["state"]:
+                self.state[p] = {k: v.detach().clone().to(p.device) if k != "step" else
+                                 v.detach().clone() for k, v in sd["state"][pid].items()}
+        if inner is not None:
+            self.adamw.load_state_dict(inner)
+
+    def state_bytes(self) -> int:
+        """Bytes held by all states (Muon momentum, step counters and the inner AdamW's)."""
+        own = sum(v.numel() * v.element_size() for s in self.state.values()
+                  for v in s.values() if isinstance(v, Tensor))
+        if self.adamw is None:
+            return own
+        if isinstance(self.adamw, AdamW4):
+            return own + self.adamw.state_bytes()
+        return own + sum(v.numel() * v.element_size() for s in self.adamw.state.values()
+                         for v in s.values() if isinstance(v, Tensor))
+
+
+def _adamw_hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+
+
+def _check_muon_group(group: dict[str, Any]) -> None:
+    for p in group["params"]:
+        if p.dim() not in (2, 3):
+            raise ValueError(f"Muon params must be 2-D or 3-D (stacked experts), got shape "
+                             f"{tuple(p.shape)}; pass it in adamw_params")
+    lr, mu, wd, steps = group["lr"], group["momentum"], group["weight_decay"], group["ns_steps"]
+    if isinstance(lr, Tensor) or not lr >= 0.0:
+        raise ValueError(f"lr must be a float >= 0, got {lr!r}")
+    if not 0.0 <= mu < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {mu!r}")
+    if not wd >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {wd!r}")
+    if not isinstance(steps, int) or not 1 <= steps < 100:
+        raise ValueError(f"ns_steps must be an int in [1, 100), got {steps!r}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, "
+                         f"got {group['adjust_lr_fn']!r}")

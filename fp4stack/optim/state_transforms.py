@@ -1,0 +1,193 @@
+"""Second-moment transforms for storing AdamW's v in NVFP4, as pure functions.
+
+Raw v spans many orders of magnitude, but E2M1's non-zero codes cover only 0.5 .. 6 times a
+block's scale: inside a 16-element block, values under 1/24 of the block max round to zero (RNE;
+under 1/12 they may, with stochastic rounding), and a zero v turns the update
+m / (sqrt(v) + eps) into m / eps. A transform maps v to a non-negative `stored` value whose spread
+inside a block is smaller; the optimizer quantizes `stored` and reads v back through the inverse.
+
+Each transform is a pair `encode(v) -> stored`, `decode(stored) -> v` (fp32 in, fp32 out), exact
+inverses up to fp32 rounding. Quantization still rounds small stored values to zero; `floor_zeros`
+lifts each zero to the largest value it can stand for (`block_floor`). For the increasing
+transforms that means v is overestimated, a smaller (safe) step; for "rsqrt" it means a smaller
+v, a larger step, which is why rsqrt is kept only as a measured counter-example.
+
+| name    | stored            | v range a block keeps  | what limits it                     |
+|---------|-------------------|------------------------|-------------------------------------|
+| "v"     | v                 | 12x                    | the rest is floored                 |
+| "sqrt"  | sqrt(v)           | 144x                   | as above                            |
+| "pow4"  | v^(1/4)           | ~2e4x                  | 4x the relative error of stored     |
+| "log"   | log(v+t) - log(t) | all, absolute grid     | steps of max/3 in log v: e^20 wide  |
+| "rsqrt" | 1/(sqrt(v)+c)     | 144x from the smallest | large v read back too small         |
+| "rank1" | sqrt(v / n)       | 144x around n          | what the rank-1 estimate n misses   |
+
+"rank1" (after lpmm's rank-1 normalisation, with Adafactor's estimate) divides v by the outer
+product n = R C^T / mean(v) of its row and column means, kept in fp32 (4 bytes per row and per
+column): the separable part of v (a gradient delta x^T has v ~ delta^2 x^2, spanning as many
+decades along a block as the inputs x do, and across rows as the rows' gradients do) never
+reaches the quantizer. Measured in benchmarks/study_adamw4_transforms.py (see adamw4.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..api import dequantize
+from ..formats.tensor import BLOCK, NVFP4Tensor
+
+# Offset of the log transform: v below this is indistinguishable from 0 (fp32 normals end at
+# 1.2e-38, so log(v + LOG_TINY) is exact enough for every v that matters to Adam).
+LOG_TINY = 1e-30
+_LOG_OFFSET = math.log(LOG_TINY)
+# Added to sqrt(v) by the rsqrt transform so v = 0 stores a finite 1 / RSQRT_C.
+RSQRT_C = 1e-8
+# A block whose E4M3 scale rounded to zero had max <= 6 * 2^-10 (scale units): the scale whose
+# E2M1 half-step (0.5 * scale) equals that bound.
+_ZERO_SCALE_BOUND = 12 * 2.0**-10
+_SQRT_FLT_MAX = math.sqrt(torch.finfo(torch.float32).max)
+
+
+def encode_v(v: Tensor) -> Tensor:
+    return v
+
+
+def decode_v(stored: Tensor) -> Tensor:
+    return stored
+
+
+def encode_sqrt(v: Tensor) -> Tensor:
+    return v.sqrt()
+
+
+def decode_sqrt(stored: Tensor) -> Tensor:
+    return stored * stored
+
+
+def encode_pow4(v: Tensor) -> Tensor:
+    return v.sqrt().sqrt()
+
+
+def decode_pow4(stored: Tensor) -> Tensor:
+    sq = stored * stored
+    return sq * sq
+
+
+def encode_log(v: Tensor) -> Tensor:
+    # Shifted so v = 0 stores 0 and every stored value is >= 0 (NVFP4's scale is set by |x|).
+    return torch.log(v + LOG_TINY) - _LOG_OFFSET
+
+
+def decode_log(stored: Tensor) -> Tensor:
+    # exp(log(t)) - t can come out a hair below zero in fp32.
+    return torch.clamp(torch.exp(stored + _LOG_OFFSET) - LOG_TINY, min=0.0)
+
+
+def encode_rsqrt(v: Tensor) -> Tensor:
+    return 1.0 / (v.sqrt() + RSQRT_C)
+
+
+def decode_rsqrt(stored: Tensor) -> Tensor:
+    # stored = 0 would be v = inf; capped at fp32 max so the EMA stays finite.
+    root = torch.clamp(1.0 / stored - RSQRT_C, min=0.0, max=_SQRT_FLT_MAX)
+    return root * root
+
+
+def rank1_factors(v: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column means of v viewed as [rows, K] (leading dims flattened), rows scaled by
+    1 / mean(v) so that `rank1_estimate` is their outer product (0 where v is all zero)."""
+    v2 = v.reshape(-1, v.shape[-1])
+    total = v2.mean()
+    row = v2.mean(dim=1) / torch.where(total > 0, total, torch.ones_like(total))
+    return row, v2.mean(dim=0)
+
+
+def rank1_estimate(row: Tensor, col: Tensor, shape: torch.Size) -> Tensor:
+    """Adafactor's rank-1 estimate of v from its factors, in v's shape."""
+    return (row[:, None] * col[None, :]).reshape(shape)
+
+
+def safe_divide(x: Tensor, d: Tensor) -> Tensor:
+    """x / d for d >= 0, with 0 where d is 0 (for v over its rank-1 estimate, x is 0 there too:
+    v > 0 makes its row and column means positive)."""
+    positive = d > 0
+    return torch.where(positive, x / torch.where(positive, d, torch.ones_like(d)), 0.0)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A named encode/decode pair for the second moment.
+
+    factored: encode/decode apply to v / rank1_estimate(v), whose factors the caller keeps.
+    """
+
+    name: str
+    encode: Callable[[Tensor], Tensor]
+    decode: Callable[[Tensor], Tensor]
+    factored: bool = False
+
+
+TRANSFORMS: dict[str, Transform] = {
+    t.name: t
+    for t in (
+        Transform("v", encode_v, decode_v),
+        Transform("sqrt", encode_sqrt, decode_sqrt),
+        Transform("pow4", encode_pow4, decode_pow4),
+        Transform("log", encode_log, decode_log),
+        Transform("rsqrt", encode_rsqrt, decode_rsqrt),
+        Transform("rank1", encode_sqrt, decode_sqrt, factored=True),
+    )
+}
+
+
+def get_transform(name: str) -> Transform:
+    if name not in TRANSFORMS:
+        raise ValueError(
+            f"unknown second-moment transform {name!r}; choose from {list(TRANSFORMS)}"
+        )
+    return TRANSFORMS[name]
+
+
+def block_floor(q: NVFP4Tensor) -> Tensor:
+    """Per element, an upper bound of what a zero code of its 1x16 block can stand for (fp32,
+    q.shape): lifting zeros to it overestimates v, so the step m / sqrt(v) only shrinks.
+
+    A zero code under a block scale s means |x| <= s/4 (RNE) or < s/2 (stochastic): the bound
+    is s/2, E2M1's smallest non-zero value. A zero block scale means the block max was at most
+    6 * 2^-10 in scale units (2^-10, half the smallest E4M3 subnormal, ties to 0).
+    """
+    scales = q.scales.to(torch.float32)
+    scales = torch.where(scales == 0, _ZERO_SCALE_BOUND, scales)
+    floor = (0.5 * scales * q.decode_scale).repeat_interleave(BLOCK, dim=-1)
+    return floor[..., : q.shape[-1]]
+
+
+def floor_zeros(stored: Tensor, floor: Tensor) -> Tensor:
+    """`stored` with its exact zeros replaced by `floor` (both non-negative)."""
+    return torch.where(stored == 0, floor, stored)
+
+
+Factors = tuple[Tensor, Tensor] | None
+
+
+def encode_state(v: Tensor, transform: Transform) -> tuple[Tensor, Factors]:
+    """The tensor to quantize for v (fp32), and a factored transform's fp32 rank-1 factors."""
+    if not transform.factored:
+        return transform.encode(v), None
+    row, col = rank1_factors(v)
+    return transform.encode(safe_divide(v, rank1_estimate(row, col, v.shape))), (row, col)
+
+
+def decode_state(q: NVFP4Tensor, transform: Transform, factors: Factors = None) -> Tensor:
+    """v (fp32) from its quantized stored form: exact zeros lifted to their block's floor, the
+    inverse transform, then (factored transforms) times the rank-1 estimate."""
+    v = transform.decode(floor_zeros(dequantize(q), block_floor(q)))
+    if transform.factored:
+        if factors is None:
+            raise ValueError(f"transform {transform.name!r} needs its rank-1 factors to decode")
+        v = v * rank1_estimate(*factors, q.shape)
+    return v

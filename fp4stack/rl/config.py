@@ -4,11 +4,11 @@ the field and the fix), like PretrainConfig."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..train.config import _float, _int, _suggest
+from ..train.config import _float, _int, check_keys
 from .rollout import PRECISIONS
 
 TRAINERS = ("bf16", "qat-w")
@@ -117,13 +117,7 @@ def load_rl_config(path: str | os.PathLike | None = None, **overrides: Any) -> R
         if not path.exists():
             raise FileNotFoundError(f"config {path} not found (presets: configs/rl/*.yaml)")
         d = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(d, dict):
-        raise ValueError(f"{source}: expected a mapping of config keys")
-    known = {f.name for f in fields(RLConfig)}
-    for key in d:
-        if key not in known:
-            raise ValueError(f"{source}: unknown key {key!r}{_suggest(str(key), known)}; "
-                             f"known keys: {sorted(known)}")
+    check_keys(d, RLConfig, source)
     try:
         return RLConfig(**d).with_overrides(**overrides)
     except (TypeError, ValueError) as e:

@@ -173,15 +173,21 @@ def _betas(value: Any) -> tuple[float, float]:
     return float(value[0]), float(value[1])
 
 
-def from_dict(d: dict[str, Any], source: str = "config") -> PretrainConfig:
-    """A PretrainConfig from a mapping; unknown keys raise ValueError."""
+def check_keys(d: Any, config_class: type, source: str) -> None:
+    """ValueError unless `d` is a mapping whose keys are all fields of `config_class` (the error
+    names the unknown key and the closest known one)."""
     if not isinstance(d, dict):
         raise ValueError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
-    known = {f.name for f in fields(PretrainConfig)}
+    known = {f.name for f in fields(config_class)}
     for key in d:
         if key not in known:
             raise ValueError(f"{source}: unknown key {key!r}{_suggest(str(key), known)}; "
                              f"known keys: {sorted(known)}")
+
+
+def from_dict(d: dict[str, Any], source: str = "config") -> PretrainConfig:
+    """A PretrainConfig from a mapping; unknown keys raise ValueError."""
+    check_keys(d, PretrainConfig, source)
     try:
         return PretrainConfig(**d)
     except ValueError as e:

@@ -160,6 +160,7 @@ class RolloutEngine:
         """Sample one response per prompt (repeat a prompt G times for a GRPO group).
         record=True also records every MoE block's experts for routing replay."""
         tokens, mask = self._pad_prompts(prompts)
+        prompt_mask = mask
         B, P = tokens.shape
         cache = lm.new_cache(self.model, B, P + self.max_new_tokens)
         eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id
@@ -180,10 +181,8 @@ class RolloutEngine:
                 logits = lm.step(self.model, nxt[:, None], mask, cache)[:, -1]
         response_mask = torch.stack(alive, dim=1)
         full_tokens = torch.cat((tokens, torch.stack(new, dim=1)), dim=1)
-        prompt_mask = full_tokens.new_zeros(full_tokens.shape, dtype=torch.bool)
-        prompt_mask[:, :P] = self._pad_prompts(prompts)[1]
-        resp = torch.cat((torch.zeros_like(tokens, dtype=torch.bool), response_mask), dim=1)
-        full_mask = prompt_mask | resp
+        resp = torch.cat((torch.zeros_like(prompt_mask), response_mask), dim=1)
+        full_mask = torch.cat((prompt_mask, response_mask), dim=1)
         routing = None
         if self.logprobs == "score":
             with record_routing(self.model) as score_routing:

@@ -21,134 +21,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..api import dequantize, fake_quantize, quantize
+from ..api import dequantize, quantize
 from ..formats.random import lowbias32_int
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from .adamw4 import AdamW4
+from .newton_schulz import _NS_DTYPES, NS_SPEC, newton_schulz
 
-# Keller Jordan's quintic: its slope at zero is a = 3.4445, so five steps lift singular values
-# from ~1e-3 of the norm into roughly [0.7, 1.2] without converging exactly to 1.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-# RNE for the Newton-Schulz operands (they are forward-like GEMM inputs); no NaN check on the hot
-# path: a non-finite gradient propagates, as in torch.optim.Muon.
-NS_SPEC = QuantSpec(nan_policy="propagate")
-# With NVFP4 operands, X is scaled so its top singular value stays <= CAP: the quintic maps
-# (0, 1.2] into (0, 1.2023] but diverges above ~1.27. 1.2 gave the lowest error among 1.1-1.25.
-CAP = 1.2
-# Power iterations for the Gram's top eigenvalue: with eigenvalues clustered near 1, 8 of them
-# underestimate it by up to 13%, 16 by up to 6%.
-POWER_ITERS = 16
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
-_NS_DTYPES = (torch.bfloat16, torch.float32)
 _ROUNDINGS = ("stochastic", "rne")
 _FIELDS = ("data", "scales", "amax")
 _SEED_SALT = 0x4D554F4E  # keeps Muon4's rounding bits apart from AdamW4's for the same seed
-
-
-def _gemm(left: Tensor, right: Tensor, bias: Tensor | None = None, *,
-          alpha: float = 1.0, beta: float = 1.0) -> Tensor:
-    """alpha * left @ right + beta * bias: the one place Newton-Schulz multiplies."""
-    if bias is None:
-        return torch.mm(left, right)
-    return torch.addmm(bias, left, right, beta=beta, alpha=alpha)
-
-
-def _operand(x: Tensor, spec: QuantSpec | None, reduce_dim: int) -> Tensor:
-    """A GEMM operand as NVFP4 values (fp32) with blocks along `reduce_dim`, or x itself."""
-    if spec is None:
-        return x
-    if reduce_dim == 0:  # a right operand: quantize its transpose row-wise ("column-wise")
-        return fake_quantize(x.T.float().contiguous(), spec=spec).T
-    return fake_quantize(x.float().contiguous(), spec=spec)
-
-
-def _top_eigenvalue(gram: Tensor, iters: int = POWER_ITERS) -> Tensor:
-    """Estimate of the largest eigenvalue of a PSD matrix (power iteration: fp32 matvecs, no
-    GEMM, no host sync)."""
-    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    for _ in range(iters):
-        v = gram @ v
-        v = v / v.norm().clamp(min=1e-30)
-    return v @ (gram @ v)
-
-
-def _split_diagonal(m: Tensor) -> tuple[Tensor, Tensor]:
-    d = m.diagonal()
-    return d, m - torch.diag(d)
-
-
-def _plain_step(x: Tensor, a: float, b: float, c: float) -> Tensor:
-    """One quintic step in x's dtype: torch.optim.Muon's operations, in its order."""
-    gram = _gemm(x, x.T)
-    poly = _gemm(gram, gram, gram, alpha=c, beta=b)
-    return _gemm(poly, x, x, beta=a)
-
-
-def _nvfp4_step(x: Tensor, spec: QuantSpec, a: float, b: float, c: float) -> Tensor:
-    """One quintic step with NVFP4 GEMM operands (fp32 accumulation, fp32 in between).
-
-    Two guards keep FP4 noise from blowing the iteration up (naively, five steps diverge):
-    - the Gram of a near-orthogonal X is diagonal-heavy, and in a 1x16 block the diagonal
-      entry sets the scale, flushing the off-diagonal entries that carry the non-orthogonality.
-      So A = D + O and P = aI + bA + cA² = D_P + O_P are split: the diagonal parts act as exact
-      fp32 row/column scalings and only O·O and O_P·X run as FP4 GEMMs;
-    - NVFP4 X perturbs the Gram's spectrum by ~10-20%, and the quintic diverges for singular
-      values above ~1.27. X is scaled down whenever the Gram's top eigenvalue estimate exceeds
-      CAP² (noise-free iterates stay below CAP, so then this is a no-op).
-    """
-    xq = _operand(x, spec, 1)
-    gram = _gemm(xq, xq.T)  # reduces over X's columns: X row-wise on both sides
-    scale = (_top_eigenvalue(gram).clamp(min=0).sqrt() / CAP).clamp(min=1.0)
-    x, gram = x / scale, gram / scale**2
-    d, off = _split_diagonal(gram)
-    square = _gemm(_operand(off, spec, 1), _operand(off, spec, 0))  # O·O: reduces over O's cols
-    square = square + d[:, None] * off + off * d[None, :] + torch.diag(d * d)  # (D + O)²
-    poly = c * square + b * gram + a * torch.eye(len(d), dtype=gram.dtype, device=gram.device)
-    pd, poff = _split_diagonal(poly)
-    return pd[:, None] * x + _gemm(_operand(poff, spec, 1), _operand(x, spec, 0))  # over X's rows
-
-
-def newton_schulz(
-    g: Tensor,
-    steps: int = 5,
-    spec: QuantSpec | None = None,
-    eps: float = 1e-7,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-) -> Tensor:
-    """The quintic Newton-Schulz orthogonalisation of a matrix g, returned in `dtype`.
-
-    X = g / ||g||_F (transposed if tall, so the Gram matrix is the small side), then `steps` times
-    X <- aX + (bA + cA²)X with A = XXᵀ. X is rounded to `dtype` after every step.
-
-    spec=None: every GEMM runs natively in `dtype`; with bf16 (the default) this is
-    torch.optim.Muon's arithmetic bit for bit. With a spec every GEMM operand is NVFP4 along that
-    GEMM's reduction dim (the right operand column-wise, with its own amax) and accumulates in
-    fp32: A = Q(X)Q(X)ᵀ reduces over X's columns; A's off-diagonal part squared, O·O, reduces
-    over O's shared dim; the off-diagonal part of the polynomial times X reduces over X's rows.
-    See _nvfp4_step for the diagonal split and the spectral cap this needs to stay stable.
-    """
-    if g.dim() != 2:
-        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
-    if not isinstance(steps, int) or not 0 <= steps < 100:
-        raise ValueError(f"steps must be an int in [0, 100), got {steps!r}")
-    if not g.is_floating_point():
-        raise ValueError(f"newton_schulz needs a floating matrix, got {g.dtype}")
-    if spec is not None and dtype not in _NS_DTYPES:
-        raise ValueError(f"with a spec, dtype must be one of {_NS_DTYPES}, got {dtype}")
-    x = g.to(dtype)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
-        if spec is None:
-            x = _plain_step(x, *coefficients)
-        else:
-            x = _nvfp4_step(x.float(), spec, *coefficients).to(dtype)
-    return x.T if tall else x
 
 
 def adjusted_lr(lr: float, rows: int, cols: int, adjust_lr_fn: str = "original") -> float:

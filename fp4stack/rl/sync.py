@@ -25,13 +25,25 @@ class WeightSyncError(RuntimeError):
     """The engine's weights differ from the trainer's after a refit."""
 
 
-def checksum(t: Tensor) -> int:
-    """A position-sensitive hash of t's values as float32 bit patterns (equal iff bit-identical,
-    up to hash collisions): sum_i bits_i * (i * MIX mod 2^32 | 1), wrapping in int64."""
+def _checksum(t: Tensor) -> Tensor:
+    # A 0-d int64 tensor on t's device: no host sync per tensor (a refit checks hundreds).
     bits = t.detach().float().contiguous().view(-1).view(torch.int32).long()
     idx = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
     weights = (idx * _MIX) % (1 << 32) | 1
-    return int((bits * weights).sum().item())
+    return (bits * weights).sum()
+
+
+def checksum(t: Tensor) -> int:
+    """A position-sensitive hash of t's values as float32 bit patterns (equal iff bit-identical,
+    up to hash collisions): sum_i bits_i * (i * MIX mod 2^32 | 1), wrapping in int64."""
+    return int(_checksum(t).item())
+
+
+def _to_ints(sums: dict[str, Tensor]) -> dict[str, int]:
+    # One transfer for all checksums of a refit.
+    if not sums:
+        return {}
+    return dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
 
 
 @dataclass
@@ -73,6 +85,7 @@ def export_weights(trainer: nn.Module, engine: nn.Module,
     """
     groups = {name: members for members in amax_groups for name in members}
     update = WeightUpdate()
+    sums: dict[str, Tensor] = {}
     packed = set()
     for prefix, module in engine.named_modules():
         p = f"{prefix}." if prefix else ""
@@ -84,7 +97,7 @@ def export_weights(trainer: nn.Module, engine: nn.Module,
                                    p + "weight_global_amax": t.amax})
             if module.weight_amax is not None:
                 update.tensors[p + "weight_amax"] = t.amax
-            update.checksums[p + "weight"] = checksum(
+            sums[p + "weight"] = _checksum(
                 fake_quantize(w, spec=module.recipe.w, amax=amax))
             packed.update(p + s for s in ("weight_data", "weight_scales", "weight_global_amax",
                                           "weight_amax"))
@@ -96,7 +109,7 @@ def export_weights(trainer: nn.Module, engine: nn.Module,
                 update.tensors[f"{p}{proj}_scales"] = torch.stack([t.scales for t in ts])
                 update.tensors[f"{p}{proj}_amax"] = torch.stack([t.amax for t in ts])
                 for e in range(w.shape[0]):
-                    update.checksums[f"{p}{proj}[{e}]"] = checksum(
+                    sums[f"{p}{proj}[{e}]"] = _checksum(
                         fake_quantize(w[e], spec=module.recipe.w))
                 packed.update(f"{p}{proj}_{s}" for s in ("data", "scales", "amax"))
     engine_only = {"x_amax", "rc_channels"}  # calibrated by the engine itself
@@ -105,7 +118,8 @@ def export_weights(trainer: nn.Module, engine: nn.Module,
             continue
         t = _trainer_weight(trainer, name).to(current.dtype)  # e.g. a BF16 engine
         update.tensors[name] = t
-        update.checksums[name] = checksum(t)
+        sums[name] = _checksum(t)
+    update.checksums = _to_ints(sums)
     return update
 
 
@@ -122,32 +136,26 @@ def load_weights(engine: nn.Module, update: WeightUpdate) -> int:
             raise WeightSyncError(f"{name}: the update's shape {tuple(t.shape)} != the engine's "
                                   f"{tuple(state[name].shape)}")
         state[name].copy_(t)
-    checked = 0
+    sums: dict[str, Tensor] = {}
     for prefix, module in engine.named_modules():
         p = f"{prefix}." if prefix else ""
         if isinstance(module, QuantLinear) and module.weight is None:
-            _verify(update, p + "weight", dequantize(module.packed_weight, torch.float32))
-            checked += 1
+            sums[p + "weight"] = _checksum(dequantize(module.packed_weight, torch.float32))
         elif isinstance(module, ExpertQuantization) and module.packed_spec is not None:
             for proj in ("gate_up", "down"):
                 for e in range(getattr(module, f"{proj}_data").shape[0]):
                     w = dequantize(module.packed_expert(proj, e), torch.float32)
-                    _verify(update, f"{p}{proj}[{e}]", w)
-                    checked += 1
+                    sums[f"{p}{proj}[{e}]"] = _checksum(w)
     for name, t in engine.state_dict().items():
         if name in update.checksums:
-            _verify(update, name, t)
-            checked += 1
-    return checked
-
-
-def _verify(update: WeightUpdate, name: str, engine_value: Tensor) -> None:
-    want = update.checksums.get(name)
-    if want is None:
-        raise WeightSyncError(f"the update carries no checksum for {name!r}")
-    got = checksum(engine_value)
-    if got != want:
-        raise WeightSyncError(
-            f"weight sync self-check failed for {name!r}: the engine's weights are not the "
-            f"trainer's (checksum {got:#x} != {want:#x}). The rollout would sample from a "
-            "different model than the one being trained; refusing to continue.")
+            sums[name] = _checksum(t)
+    for name, got in _to_ints(sums).items():
+        want = update.checksums.get(name)
+        if want is None:
+            raise WeightSyncError(f"the update carries no checksum for {name!r}")
+        if got != want:
+            raise WeightSyncError(
+                f"weight sync self-check failed for {name!r}: the engine's weights are not the "
+                f"trainer's (checksum {got:#x} != {want:#x}). The rollout would sample from a "
+                "different model than the one being trained; refusing to continue.")
+    return len(sums)

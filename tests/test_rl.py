@@ -236,3 +236,20 @@ def test_a_bf16_engine_keeps_computed_constants_in_fp32():
     assert engine.model.inv_freq.dtype == torch.float32
     assert torch.equal(engine.model.inv_freq, base.inv_freq)
     assert engine.model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_time_limit_ends_with_a_whole_step_and_a_final_evaluation(tmp_path):
+    # A limit the first step already overruns: the run still makes that one whole step, with
+    # the pass@1 evaluation a last step gets, and stops.
+    logs = []
+    cfg = tiny_config(tmp_path, steps=10, eval_every=5, sft_steps=0, max_minutes=1e-9)
+    result = run_rl(cfg, log=logs.append)
+    records = [r for r in read_metrics(tmp_path / "quads") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1] and result["steps"] == 1
+    assert "pass_at_1" in records[-1] and result["final_pass_at_1"] == records[-1]["pass_at_1"]
+    assert any("time limit" in line for line in logs)
+
+
+def test_time_limit_must_be_a_number():
+    with pytest.raises(ValueError, match="max_minutes"):
+        RLConfig(max_minutes="5m")

@@ -18,6 +18,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "package.module:callable")
     p.add_argument("--seed", type=int, help="seed of init, prompts and sampling")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--max-minutes", type=float,
+                   help="wall-time limit of a run: it stops after the last step that fits, "
+                        "with a final evaluation (default: the config's; 0 = none)")
 
 
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +47,7 @@ def _config(args: argparse.Namespace, **extra):
     from .config import load_rl_config
 
     return load_rl_config(args.config, steps=args.steps, task=args.task, seed=args.seed,
-                          device=args.device, **extra)
+                          device=args.device, max_minutes=args.max_minutes, **extra)
 
 
 def _fail(command: str, e: Exception) -> int:

@@ -37,6 +37,7 @@ class RLConfig:
     correction_cap: float = 2.0
     routing_replay: bool = False
     steps: int = 50
+    max_minutes: float = 0.0  # stop after the step that would overrun this wall time (0: none)
     prompts_per_step: int = 16
     group_size: int = 8
     micro_batch_size: int = 64  # sequences per trainer forward
@@ -81,7 +82,7 @@ class RLConfig:
                               ("seed", 0)):
             _int(name, getattr(self, name), minimum)
         for name in ("sft_lr", "lr", "weight_decay", "grad_clip", "clip_low", "clip_high",
-                     "kl_coef", "alarm_k3", "temperature", "correction_cap"):
+                     "kl_coef", "alarm_k3", "temperature", "correction_cap", "max_minutes"):
             setattr(self, name, _float(name, getattr(self, name)))
         if not 0 < float(self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -172,9 +172,14 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         logger.log({"step": 0, "pass_at_1": pass1})
         log(f"step 0: pass@1 {pass1:.3f}")
     start = time.perf_counter()
+    step_s = 0.0
     try:
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
+            # The time limit is checked before the step, from the last step's duration, so the
+            # run ends with a whole step and its final evaluation.
+            last = step == cfg.steps or (
+                cfg.max_minutes > 0 and t0 - start + step_s > 60 * cfg.max_minutes)
             examples = [next(stream) for _ in range(cfg.prompts_per_step)]
             group = [e for e in examples for _ in range(cfg.group_size)]
             prompts = [encode_example(tokenizer, e.prompt)[0] for e in group]
@@ -193,7 +198,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                       **{k: stats[k] for k in ("loss", "clip_frac", "grad_norm", "skipped")
                          if k in stats},
                       "synced_tensors": checked, "step_s": time.perf_counter() - t0}
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            step_s = record["step_s"]
+            if cfg.eval_every and (step % cfg.eval_every == 0 or last):
                 record["pass_at_1"] = pass1 = evaluate(engine, task, test)
                 if cfg.eval_pass_k > 1:
                     record[f"pass_at_{cfg.eval_pass_k}"] = evaluate_pass_at_k(
@@ -210,6 +216,10 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                     message = alarm.check(step, record)
                 if message:
                     log(f"alarm: {message}")
+            if last:
+                if step < cfg.steps:
+                    log(f"time limit of {cfg.max_minutes:g} min: stopping after step {step}")
+                break
     finally:
         logger.close()
     k3 = [r["k3"] for r in history]

@@ -93,3 +93,22 @@ def test_no_train_reports_only_the_finished_runs(setup, tmp_path):
     assert not (tmp_path / "nvfp4-s0").exists()
     with pytest.raises(FileNotFoundError, match="no finished runs"):
         run_comparison(config, ["nvfp4"], tmp_path, train_missing=False)
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint(setup, tmp_path):
+    import shutil
+
+    config, _ = setup
+    whole = run_comparison(config, ["bf16"], tmp_path / "whole", ckpt_every=3)
+    out = tmp_path / "cut"
+    run_comparison(config, ["bf16"], out, ckpt_every=3)
+    # As if killed after the step-3 checkpoint: no result, no later checkpoint.
+    run = out / "bf16-s0"
+    (run / "result.json").unlink()
+    assert (run / "checkpoints" / "step_00000003").is_dir()
+    for ckpt in (run / "checkpoints").iterdir():
+        if ckpt.name != "step_00000003":
+            shutil.rmtree(ckpt)
+    again = run_comparison(config, ["bf16"], out, ckpt_every=3)
+    assert (run / "result.json").exists()
+    assert again[0].val_loss == whole[0].val_loss

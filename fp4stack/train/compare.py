@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import latest_checkpoint
 from .config import load_config
 from .metrics import read_metrics
 from .trainer import train
@@ -39,8 +40,9 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
 
     A run is a recipe name, or "recipe+optimizer" (e.g. "bf16+adamw4") to change the config's
     optimizer. Each run writes to out/<run>-s<seed>; a finished run (its result.json present) is
-    reused, so an interrupted comparison picks up where it stopped. train_missing=False reports
-    on the finished runs only and trains nothing.
+    reused and an interrupted one resumes from its last checkpoint, so an interrupted comparison
+    picks up where it stopped. train_missing=False reports on the finished runs only and trains
+    nothing.
     """
     out = Path(out)
     if not seeds:
@@ -59,7 +61,7 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
             name, _, optimizer = recipe.partition("+")  # "bf16+adamw4": recipe + optimizer
             cfg = load_config(config, recipe=name, seed=s, out=str(run_dir),
                               optimizer=optimizer or None, **overrides)
-            result = train(cfg)
+            result = train(cfg, resume=latest_checkpoint(run_dir) is not None)
         rows.append(RunRow(recipe, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
                            int(result["steps"]), str(run_dir)))

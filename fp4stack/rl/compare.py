@@ -53,13 +53,14 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| run | rollout | trainer | final reward | final pass@1 | mean k3 | max k3 |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    # The median beside the mean: one spiking step can carry a run's mean k3.
+    lines = ["| run | rollout | trainer | final reward | final pass@1 | mean k3 | median k3 "
+             "| max k3 |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        p1 = r.get("final_pass_at_1")
+        p1, med = r.get("final_pass_at_1"), r.get("k3_median")
         lines.append(f"| {r['run']} | {r['rollout']} | {r['trainer']} | {r['final_reward']:.3f} "
                      f"| {'n/a' if p1 is None else f'{p1:.3f}'} | {r['k3_mean']:.2e} | "
-                     f"{r['k3_max']:.2e} |")
+                     f"{'n/a' if med is None else f'{med:.2e}'} | {r['k3_max']:.2e} |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 import warnings
 from contextlib import nullcontext
@@ -225,7 +226,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     k3 = [r["k3"] for r in history]
     result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "correction": cfg.correction,
               "steps": len(history), "final_reward": history[-1]["reward"],
-              "final_pass_at_1": pass1, "k3_mean": sum(k3) / len(k3), "k3_max": max(k3),
+              "final_pass_at_1": pass1, "k3_mean": sum(k3) / len(k3),
+              "k3_median": statistics.median(k3), "k3_max": max(k3),
               "wall_s": time.perf_counter() - start, "device": str(device), "out": str(out)}
     if not all(math.isfinite(v) for v in k3):
         result["k3_nonfinite"] = True

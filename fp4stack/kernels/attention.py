@@ -1,26 +1,34 @@
 """Flash-attention-style Triton forward of NVFP4 attention (the default AttentionQuant: Q, K, V
-in NVFP4 1x16 RNE, P unquantized), matching fp4stack.nn.attention.fp4_attention.
+in NVFP4 1x16 RNE, P unquantized), matching fp4stack.nn.attention.fp4_attention; the backward is
+in attention_bwd.py.
 
-Each program takes BLOCK_M queries of one (batch, head) and walks the keys BLOCK_N at a time. It
-quantizes its tiles itself, from the caller's global amaxes, with the jit helpers of the NVFP4
-kernels (so the values are bit for bit the reference's): Q and K in 16-wide blocks along d, V in
-16-key blocks along the keys. BLOCK_N is a power of two >= 16 and tiles start at multiples of it, so
-V's blocks are the reference's; keys past L load as zeros, which is the reference's zero padding.
+Two passes. A prologue (quantize_units_kernel, one program per 16-multiple row tile) quantizes
+Q and K in 16-wide blocks along d and V in 16-key blocks along the keys, once, from the global
+amaxes, with the jit helpers of the NVFP4 kernels, so the values are bit for bit the reference's.
+It stores them in units of their global scale: E2M1 value times E4M3 block scale, at most 6
+significant bits, exact in bf16, fp16 and fp32; the units keep the input's dtype (fp32 inputs:
+fp32 units). The global decode factor amax / (6 * 448) of each tensor is a scalar applied to the
+fp32 dot results. The flash forward then loads units only: each program takes BLOCK_M queries of
+one (batch, head) and walks the keys BLOCK_N at a time with an fp32 online softmax; with
+grouped-query attention, query head h reads K/V head h // (H / Hkv) (no repeated copies). Key
+tiles every row of the query tile sees in full go through an unmasked loop; only the diagonal
+(causal) and the last, partial key tile pay for masks (key_range). The backward loads the same
+units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized).
 
-The dots take the quantized values in units of their global scale (E2M1 value times E4M3 block
-scale: at most 6 significant bits, exact in bf16, fp16 and tf32) and the global scales are
-applied to the fp32 result. fp32 inputs use fp32 dots; 16-bit inputs use dots in their own
-dtype (P is rounded to it there), always with fp32 accumulation and an fp32 online softmax.
-Under the interpreter, whose 16-bit dots are wrong, operands are rounded to that dtype and
-multiplied in fp32.
+fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P is rounded to it
+there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
+are rounded to that dtype and multiplied in fp32 (MMA_TY).
 
-Speed has not been measured: this was written and tested under the Triton interpreter on a CPU.
+Tiles: see default_tiles (fixed per head dim, picked for Hopper by reasoning, not by measurement;
+benchmarks/bench_attention.py --sweep times the alternatives). Measured so far only on a CPU under
+the Triton interpreter (correctness); the kernels compile for sm_90, speed is unmeasured.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,6 +40,54 @@ from .nvfp4 import _launch_options
 
 HEAD_DIMS = (16, 32, 64, 128)
 SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
+INV_RANGE = tl.constexpr(1.0 / (SCALE_MAX * 6.0))  # global decode factor = amax * INV_RANGE
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One kernel's launch shape: BLOCK_M query rows, BLOCK_N key rows (powers of two >= 16)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_tiles(head_dim: int, device_type: str = "cuda",
+                  dtype: torch.dtype = torch.bfloat16) -> dict[str, Tile]:
+    """Tiles of each pass: "quant" (prologue; block_m rows), "fwd", "amax" and "dq" (query-major),
+    "dkdv" (key-major). Under the interpreter: 16 x 16, so small tests cross tiles and tails.
+
+    CUDA, 16-bit: picked from ptxas's register report for sm_90 (no GPU run yet): the largest
+    tiles with no or small spills (bf16, d=128: fwd 152 bytes, dkdv with atomic dQ 336 bytes;
+    none elsewhere). fp32 inputs (tests): small tiles, fp32 tiles take twice the shared memory.
+    """
+    if device_type != "cuda":
+        t = Tile(16, 16, 1, 1)
+        return dict(quant=t, fwd=t, amax=t, dkdv=t, dq=t)
+    quant = Tile(max(16, 2048 // head_dim), 16, 2, 1)
+    if dtype == torch.float32:
+        t = Tile(64, 32, 4, 1)
+        return dict(quant=quant, fwd=t, amax=t, dkdv=t, dq=t)
+    big = head_dim > 64
+    return dict(
+        quant=quant,
+        fwd=Tile(128, 64, 8, 2),
+        amax=Tile(128, 64, 8, 2),
+        dkdv=Tile(64, 64, 8, 2),
+        dq=Tile(64, 32, 4, 2) if big else Tile(128, 64, 8, 2),
+    )
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def mma_type(dtype: torch.dtype):
+    """(dot operand type, input_precision) for units of `dtype`."""
+    if dtype == torch.float32 or interpreted():
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), None
 
 
 @triton.jit
@@ -55,105 +111,127 @@ def quantize_tile(x, amax, BLOCK_AXIS: tl.constexpr, SCALE_MAX: tl.constexpr):
         enc = jit.encode_factor(sbits, s_dec)[:, None, :]
         s = jit.e4m3_value(sbits)[:, None, :]
     units = jit.e2m1_rne_value(xb * enc) * s
-    return tl.reshape(units, (R, C)), amax * (1.0 / (SCALE_MAX * 6.0))
+    return tl.reshape(units, (R, C)), amax * INV_RANGE
 
 
 @triton.jit
-def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, amax_ptr, qh_ptr, kh_ptr, vh_ptr,
-    H, S, L, scale,
-    sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_TY: tl.constexpr, MMA_TY: tl.constexpr, PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr,
-    DEBUG: tl.constexpr,
-):
-    """Output rows [BLOCK_M, D] and their log-sum-exp for one (batch, head).
-
-    DEBUG=True also writes the dequantized Q̂, K̂, V̂ tiles it computed to qh, kh, vh
-    (contiguous [B, H, *, D] fp32; programs that share a K/V tile write the same values).
-    """
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+def quantize_units_kernel(x_ptr, u_ptr, amax_ptr, H, N, sxb, sxh, sxn, sxd,
+                          D: tl.constexpr, BLOCK: tl.constexpr, AXIS: tl.constexpr,
+                          SCALE_MAX: tl.constexpr):
+    """Units of rows [BLOCK, D] of x [B, H, N, D] (any strides) into contiguous u [B*H, N, D];
+    AXIS 1: 16-blocks along d, AXIS 0: along the rows (BLOCK is a multiple of 16, so a tile's
+    blocks are the reference's; rows past N load as zeros, the reference's padding)."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    row_ok = rows < S
-    q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    q = tl.load(q_base + rows[:, None].to(tl.int64) * sqs + cols[None, :] * sqd,
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_units, q_dec = quantize_tile(q, tl.load(amax_ptr), 1, SCALE_MAX)
-    k_amax = tl.load(amax_ptr + 1)
-    v_amax = tl.load(amax_ptr + 2)
-    if DEBUG:
-        ptr = qh_ptr + (bh.to(tl.int64) * S + rows[:, None]) * D + cols[None, :]
-        tl.store(ptr, q_units * q_dec, mask=row_ok[:, None])
-    q_dot = q_units.to(DOT_TY).to(MMA_TY)
+    ok = rows < N
+    base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+    x = tl.load(base + rows[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    units, _ = quantize_tile(x, tl.load(amax_ptr), AXIS, SCALE_MAX)
+    tl.store(u_ptr + (bh.to(tl.int64) * N + rows[:, None]) * D + cols[None, :],
+             units.to(u_ptr.dtype.element_ty), mask=ok[:, None])
 
-    k_base = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-    v_base = v_ptr + b.to(tl.int64) * svb + h.to(tl.int64) * svh
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    # Queries are the last S of L positions: query i sees keys j <= i + L - S.
+
+@triton.jit
+def key_range(pid_m, S, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(lo, hi) for query tile pid_m: key tiles below lo need no mask (every row of the tile may
+    see every key there, all < L); tiles in [lo, hi) need one; keys past hi are seen by no row.
+    Queries are the last S of L positions: query i sees keys j <= i + L - S."""
     hi = L
+    lo = L
     if CAUSAL:
         hi = tl.minimum(L, (pid_m + 1) * BLOCK_M + L - S)
-    for start_n in range(0, hi, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        key_ok = keys < L
-        # Keys past L are zeros: the reference's padding of V's last 16-block.
-        k = tl.load(k_base + keys[:, None].to(tl.int64) * sks + cols[None, :] * skd,
-                    mask=key_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + keys[:, None].to(tl.int64) * svs + cols[None, :] * svd,
-                    mask=key_ok[:, None], other=0.0).to(tl.float32)
-        k_units, k_dec = quantize_tile(k, k_amax, 1, SCALE_MAX)
-        v_units, v_dec = quantize_tile(v, v_amax, 0, SCALE_MAX)
-        if DEBUG:
-            off = (bh.to(tl.int64) * L + keys[:, None]) * D + cols[None, :]
-            tl.store(kh_ptr + off, k_units * k_dec, mask=key_ok[:, None])
-            tl.store(vh_ptr + off, v_units * v_dec, mask=key_ok[:, None])
+        lo = tl.minimum(L, pid_m * BLOCK_M + L - S + 1)
+    return lo // BLOCK_N * BLOCK_N, hi
 
-        s = tl.dot(q_dot, tl.trans(k_units.to(DOT_TY).to(MMA_TY)), input_precision=PRECISION)
-        s = s * (q_dec * k_dec * scale)
-        allowed = key_ok[None, :]
-        if CAUSAL:
-            allowed = allowed & (keys[None, :] <= rows[:, None] + (L - S))
-        s = tl.where(allowed, s, float("-inf"))
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L, qk_scale, v_dec,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               MMA_TY: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax over key tiles [lo, hi); MASK: apply the causal and key-count masks."""
+    DOT_TY: tl.constexpr = ku_ptr.dtype.element_ty
+    cols = tl.arange(0, D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        kv_off = kv_base + keys[:, None] * D + cols[None, :]
+        if MASK:  # keys past L are zeros (the reference's padding of V's last 16-block)
+            key_ok = keys < L
+            k = tl.load(ku_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+            v = tl.load(vu_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+        else:
+            k = tl.load(ku_ptr + kv_off).to(MMA_TY)
+            v = tl.load(vu_ptr + kv_off).to(MMA_TY)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASK:
+            allowed = key_ok[None, :]
+            if CAUSAL:
+                allowed = allowed & (keys[None, :] <= rows[:, None] + (L - S))
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key yet keeps max -inf: shift by 0 there, so exp gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p_dot = p.to(DOT_TY).to(MMA_TY)
-        pv = tl.dot(p_dot, v_units.to(DOT_TY).to(MMA_TY), input_precision=PRECISION)
+        pv = tl.dot(p.to(DOT_TY).to(MMA_TY), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv * v_dec
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd_kernel(
+    qu_ptr, ku_ptr, vu_ptr, o_ptr, lse_ptr, amax_ptr, S, L, G, scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    MMA_TY: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Output rows [BLOCK_M, D] (contiguous o [B*H, S, D]) and their log-sum-exp, from units.
+    G query heads share a K/V head (grouped-query attention): K/V units are [B*H/G, L, D]."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D)
+    row_ok = rows < S
+    q_off = (bh.to(tl.int64) * S + rows[:, None]) * D + cols[None, :]
+    q = tl.load(qu_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
+    qk_scale = tl.load(amax_ptr) * INV_RANGE * (tl.load(amax_ptr + 1) * INV_RANGE) * scale
+    v_dec = tl.load(amax_ptr + 2) * INV_RANGE
+    kv_base = (bh // G).to(tl.int64) * L * D
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    lo, hi = key_range(pid_m, S, L, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, 0, lo, S, L,
+                               qk_scale, v_dec, D, BLOCK_N, False, CAUSAL, MMA_TY, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L,
+                               qk_scale, v_dec, D, BLOCK_N, True, CAUSAL, MMA_TY, PRECISION)
 
     # A row with no allowed key: output 0 and lse +inf, as the reference.
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     lse = tl.where(has_key, m_i + tl.log(l_i), float("inf"))
-    o_base = o_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-    tl.store(o_base + rows[:, None].to(tl.int64) * sos + cols[None, :] * sod,
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + bh.to(tl.int64) * S + rows, lse, mask=row_ok)
 
 
-def _amaxes(q, k, v, q_amax, k_amax, v_amax) -> torch.Tensor:
-    """The three global amaxes as one fp32 tensor on q's device (None: computed here)."""
+def amaxes(q, k, v, q_amax=None, k_amax=None, v_amax=None) -> torch.Tensor:
+    """The global amaxes of q, k, v as one fp32 [3] tensor on q's device (None: computed here,
+    on the device, no host sync)."""
     out = []
     for t, a in ((q, q_amax), (k, k_amax), (v, v_amax)):
-        a = t.float().abs().amax() if a is None else a
+        a = t.abs().amax().float() if a is None else a
         out.append(torch.as_tensor(a, dtype=torch.float32, device=q.device).reshape(()))
     return torch.stack(out)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"need q [B, H, S, d] and k, v [B, H, L, d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError("q, k, v must share batch, heads (repeat GQA heads first) and head_dim")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % max(k.shape[1], 1):
+        raise ValueError("q, k, v must share batch and head_dim, and k/v heads must divide q heads")
     if q.shape[3] not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {q.shape[3]}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -164,66 +242,90 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> N
         raise ValueError(f"causal attention needs S <= L, got S={q.shape[2]}, L={k.shape[2]}")
 
 
-def _launch(q, k, v, causal, scale, amaxes, block_m, block_n, debug):
-    _check(q, k, v, causal)
-    # Powers of two (tl.arange); block_n >= 16 keeps V's 16-key blocks inside one tile.
-    for name, n in (("block_m", block_m), ("block_n", block_n)):
+def check_tile(t: Tile) -> None:
+    # Powers of two (tl.arange) >= 16 (tl.dot; whole 16-blocks inside a tile).
+    for name, n in (("block_m", t.block_m), ("block_n", t.block_n)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {n}")
-    B, H, S, D = q.shape
-    L = k.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty_like(q)
-    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    if debug:
-        qh = torch.full((B, H, S, D), float("nan"), dtype=torch.float32, device=q.device)
-        kh = torch.full((B, H, L, D), float("nan"), dtype=torch.float32, device=q.device)
-        vh = torch.full_like(kh, float("nan"))
-    else:
-        qh = kh = vh = lse  # never written
-    fp32 = q.dtype == torch.float32
-    dot_ty = tl.float32 if fp32 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
-    # The interpreter's 16-bit dots are wrong: it rounds to dot_ty, then multiplies in fp32.
-    mma_ty = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else dot_ty
-    grid = (triton.cdiv(S, block_m), B * H)
+
+
+# Process-wide overrides of default_tiles, {pass: Tile}: for benchmarks/bench_attention.py --sweep.
+TILE_OVERRIDES: dict[str, Tile] = {}
+
+
+def tiles_for(q: torch.Tensor, tiles: dict[str, Tile] | None) -> dict[str, Tile]:
+    """default_tiles for q, then TILE_OVERRIDES, then `tiles`, checked."""
+    out = default_tiles(q.shape[-1], q.device.type, q.dtype)
+    out.update(TILE_OVERRIDES)
+    out.update(tiles or {})
+    for t in out.values():
+        check_tile(t)
+    return out
+
+
+def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile):
+    """Units of Q̂, K̂ (blocks along d) and V̂ (blocks along keys): contiguous [B, H, *, d] in the
+    input dtype (fp32 stays fp32); Q̂ = units * amax[0] / 2688, and so on."""
+    outs = []
+    for i, (t, axis) in enumerate(((q, 1), (k, 1), (v, 0))):
+        u = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        B, H, N, D = t.shape
+        if N:
+            quantize_units_kernel[(triton.cdiv(N, tile.block_m), B * H)](
+                t, u, amax[i:], H, N, *t.stride(), D=D, BLOCK=tile.block_m, AXIS=axis,
+                SCALE_MAX=SCALE_MAX, num_warps=tile.num_warps, **_launch_options())
+        outs.append(u)
+    return outs
+
+
+def forward_units(qu, ku, vu, amax, causal: bool, scale: float, tile: Tile):
+    """(out, lse) from the units of quantize_operands; out is contiguous, in the units' dtype."""
+    B, H, S, D = qu.shape
+    L = ku.shape[2]
+    out = torch.empty_like(qu)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=qu.device)
+    mma_ty, precision = mma_type(qu.dtype)
     if S and L:
-        attention_fwd_kernel[grid](
-            q, k, v, out, lse, amaxes, qh, kh, vh, H, S, L, scale,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            D=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DOT_TY=dot_ty, MMA_TY=mma_ty,
-            PRECISION="ieee" if mma_ty == tl.float32 else None, SCALE_MAX=SCALE_MAX, DEBUG=debug,
-            num_warps=4, **_launch_options(),
-        )
+        attention_fwd_kernel[(triton.cdiv(S, tile.block_m), B * H)](
+            qu, ku, vu, out, lse, amax, S, L, H // ku.shape[1], scale, D=D, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, CAUSAL=causal, MMA_TY=mma_ty, PRECISION=precision,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **_launch_options())
     elif S:  # no keys at all: every row has nothing to attend to
         out.zero_()
         lse.fill_(float("inf"))
-    return out, lse, (qh, kh, vh)
+    return out, lse
 
 
 def fp4_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     scale: float | None = None, *, q_amax=None, k_amax=None, v_amax=None,
-    block_m: int = 64, block_n: int = 64,
+    tiles: dict[str, Tile] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 attention forward of q [B, H, S, d] over k, v [B, H, L, d]: (out, lse).
+    """NVFP4 attention forward of q [B, H, S, d] over k, v [B, Hkv, L, d]: (out, lse); query
+    head h reads K/V head h // (H / Hkv).
 
     out has q's dtype; lse is the fp32 [B, H, S] log-sum-exp of the scaled scores. The amaxes
     are each tensor's global max |x| (float or 0-d tensor; None computes it here, as the
     reference does). causal: query i sees keys j <= i + L - S. scale defaults to 1/sqrt(d).
+    tiles overrides entries of default_tiles.
     """
-    amaxes = _amaxes(q, k, v, q_amax, k_amax, v_amax)
-    out, lse, _ = _launch(q, k, v, causal, scale, amaxes, block_m, block_n, debug=False)
-    return out, lse
+    check(q, k, v, causal)
+    tiles = tiles_for(q, tiles)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    amax = amaxes(q, k, v, q_amax, k_amax, v_amax)
+    units = quantize_operands(q, k, v, amax, tiles["quant"])
+    return forward_units(*units, amax, causal, scale, tiles["fwd"])
 
 
 def quantized_operands(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, *,
-    q_amax=None, k_amax=None, v_amax=None, block_m: int = 64, block_n: int = 64,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_amax=None, k_amax=None,
+    v_amax=None, tiles: dict[str, Tile] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For tests: the dequantized Q̂, K̂, V̂ (fp32) the forward kernel computed in its tiles.
-
-    Key positions no program visited (causal skips tiles above the diagonal) stay NaN.
-    """
-    amaxes = _amaxes(q, k, v, q_amax, k_amax, v_amax)
-    _, _, tiles = _launch(q, k, v, causal, None, amaxes, block_m, block_n, debug=True)
-    return tiles
+    """For tests: the dequantized Q̂, K̂, V̂ (fp32) the kernels use: the prologue's units times
+    the global decode factor, multiplied as the quantize kernels do."""
+    check(q, k, v, False)
+    tiles = tiles_for(q, tiles)
+    amax = amaxes(q, k, v, q_amax, k_amax, v_amax)
+    units = quantize_operands(q, k, v, amax, tiles["quant"])
+    dec = amax * (1.0 / (SCALE_MAX * 6.0))
+    return tuple(u.float() * dec[i] for i, u in enumerate(units))

@@ -39,6 +39,12 @@ Any sequence length: quantize_along pads the dimension its blocks run along to w
 with zeros, which change neither a block's max nor the global amax and add nothing to a product,
 and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute nothing either.
 
+Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
+attention_bwd (backward) for CUDA tensors when the config is the default, mask is None, head_dim
+is 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
+same quantized values (bit-exact tiles) and sums in another order. Everything else, and CPU
+tensors, run this module's torch reference (backend="torch" forces it).
+
 Causality caveat: V's blocks run along keys, so a past token's V̂ shares its block scale with up to
 15 later tokens, and every quantizer's global amax spans all positions. Masked keys still get zero
 weight and zero gradient, but a future token can nudge the quantized values of past ones.
@@ -224,7 +230,7 @@ class _FP4AttentionFn(torch.autograd.Function):
 
 def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
                   config: AttentionQuant | None = None, scale: float | None = None,
-                  mask: Tensor | None = None) -> Tensor:
+                  mask: Tensor | None = None, backend: str = "auto") -> Tensor:
     """Attention of q [B, H, S, d] over k, v [B, Hkv, L, d] (SDPA layout) with NVFP4 operands.
 
     q is the last S of the L positions (S < L: KV-cache decoding; causal then masks like
@@ -232,14 +238,19 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     h // (H / Hkv)). mask: an optional boolean "may attend" tensor broadcastable to
     [B, H, S, L], combined with `causal`. scale defaults to 1/sqrt(d). config defaults to
     AttentionQuant.paper(). The output has q's dtype.
+
+    backend: "torch" this module's reference; "triton" the flash kernels of
+    fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
+    default) the kernels for CUDA tensors where they apply, else the reference. They apply to
+    the default config with mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16
+    inputs; on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config
     if not isinstance(config, AttentionQuant):
         raise TypeError(f"config must be an AttentionQuant, got {type(config).__name__}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     _check_shapes(q, k, v)
-    H, Hkv = q.shape[1], k.shape[1]
-    if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
-        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     S, L = q.shape[2], k.shape[2]
     if causal and S > L:
         raise ValueError(f"causal attention needs S <= L (queries are the last S of L "
@@ -248,9 +259,67 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a boolean 'may attend' tensor, got {mask.dtype}")
         mask = mask.to(q.device)
-    allowed = _allowed(S, L, causal, mask, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    why_not = _triton_unsupported(q, config, mask) if backend != "torch" else "torch asked"
+    if backend == "triton" and why_not:
+        raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
+    if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
+        return _TritonAttentionFn.apply(q, k, v, causal, scale)  # GQA heads indexed in-kernel
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    allowed = _allowed(S, L, causal, mask, q.device)
     return _FP4AttentionFn.apply(q, k, v, allowed, scale, config)
+
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -> str:
+    """Why the Triton kernels do not apply ("" when they do)."""
+    from ..kernels import available
+
+    if config != AttentionQuant.paper():
+        return f"the kernels compute the default config only, got {config.describe()}"
+    if mask is not None:
+        return "the kernels take no mask (causal or none only)"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the kernels take float32, bfloat16 or float16, got {q.dtype}"
+    if not available():
+        return "Triton is not installed"
+    from ..kernels.attention import HEAD_DIMS, interpreted
+
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"the kernels take head_dim in {HEAD_DIMS}, got {q.shape[-1]}"
+    if not q.is_cuda and not interpreted():
+        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+    return ""
+
+
+class _TritonAttentionFn(torch.autograd.Function):
+    """The flash kernels: the forward saves the units of Q̂, K̂, V̂ (tensor reuse), O and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        from ..kernels import attention as kernel
+
+        tiles = kernel.tiles_for(q, None)
+        amax = kernel.amaxes(q, k, v)
+        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"])
+        out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
+        ctx.save_for_backward(*units, out, lse, amax)
+        ctx.causal, ctx.scale, ctx.tiles = causal, scale, tiles
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        from ..kernels.attention_bwd import backward_units
+
+        qu, ku, vu, out, lse, amax = ctx.saved_tensors
+        dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
+                                          ctx.causal, ctx.scale, ctx.tiles)
+        return dq, dk, dv, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

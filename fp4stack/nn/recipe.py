@@ -144,6 +144,9 @@ def _presets() -> dict[str, Recipe]:
     fp8 = QuantSpec.fp8("block128")
     nvfp4 = Recipe("nvfp4", x=rne, w=rne, dy=rne, w_dgrad=rne, x_wgrad=rne, dy_wgrad=rne)
     w4a4 = Recipe("w4a4", x=rne, w=rne, weight_storage="packed")
+    # Full-Stack FP4: lowrank linears, NVFP4 optimizer states, FP4 attention with reuse.
+    fullstack = nvfp4.with_(name="fullstack", lowrank=LowRank(), optimizer_states="nvfp4",
+                            attention=AttentionQuant.paper())
     return {
         "bf16": Recipe("bf16"),
         "fp8": Recipe("fp8", x=fp8, w=fp8, dy=fp8, w_dgrad=fp8, x_wgrad=fp8, dy_wgrad=fp8),
@@ -160,9 +163,13 @@ def _presets() -> dict[str, Recipe]:
             keep_last_blocks=1,
         ),
         "lowrank": nvfp4.with_(name="lowrank", lowrank=LowRank()),
-        # Full-Stack FP4: lowrank linears, NVFP4 optimizer states, FP4 attention with reuse.
-        "fullstack": nvfp4.with_(name="fullstack", lowrank=LowRank(), optimizer_states="nvfp4",
-                                 attention=AttentionQuant.paper()),
+        "fullstack": fullstack,
+        # The attention ablations: the backward re-quantizes Q, K, V instead of reusing the
+        # forward's; dS kept in high precision.
+        "fullstack-noreuse": fullstack.with_(name="fullstack-noreuse",
+                                             attention=AttentionQuant(reuse=False)),
+        "fullstack-ds-hp": fullstack.with_(name="fullstack-ds-hp",
+                                           attention=AttentionQuant(ds=None)),
         "qat-w": Recipe("qat-w", w=rne),
         "w8a8": Recipe("w8a8", x=fp8, w=fp8),  # FP8 rollouts: 1x128 activations, 128 weights
         "w4a4": w4a4,
@@ -174,8 +181,8 @@ PRESETS: dict[str, Recipe] = _presets()
 
 
 def recipe(name: str) -> Recipe:
-    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, fullstack, qat-w, w8a8, w4a4,
-    w4a4-rc."""
+    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, fullstack (and its attention
+    ablations fullstack-noreuse, fullstack-ds-hp), qat-w, w8a8, w4a4, w4a4-rc."""
     if isinstance(name, Recipe):
         return name
     if name not in PRESETS:

@@ -4,7 +4,10 @@ fused AdamW timed in the same run.
 The parameters are the matrices of a GPT with --params parameters in total (square attention
 projections and 3x-wide MLPs), fp32 masters with random gradients. Each optimizer's step is
 timed after warm-up steps (its states exist), and its state bytes per parameter and the CUDA
-peak memory of its step are reported.
+peak memory of its step are reported. AdamW4 runs twice: its fused Triton step and its reference
+step (fused=False); on CUDA, one fused step is also checked against one reference step on copies
+of a few parameters ("fused == reference"). On the CPU the fused step runs only under the Triton
+interpreter (TRITON_INTERPRET=1, very slow: use a small --params); otherwise its row is skipped.
 
     python benchmarks/bench_optim.py [--params 100e6] [--device cuda] [--out results.json]
 """
@@ -14,11 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 
 import torch
 
+from fp4stack.kernels import adamw4 as kernels
 from fp4stack.optim import AdamW4, Muon4
 
 
@@ -50,6 +55,36 @@ def time_step(opt: torch.optim.Optimizer, device: torch.device, reps: int) -> fl
     return statistics.median(times)
 
 
+def keep_fp32(opt: AdamW4) -> AdamW4:
+    """Switch the fused step to its variant keeping m and v in fp32 between passes (for the
+    rows timed after this call; reset before each optimizer)."""
+    kernels.KEEP_FP32 = True
+    return opt
+
+
+def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) -> bool:
+    """Whether AdamW4's fused and reference steps give the same bits on copies of `params`."""
+    results = []
+    for fused in (True, False):
+        copies = [torch.nn.Parameter(q.detach().clone()) for q in params]
+        opt = AdamW4(copies, lr=1e-3, fused=fused)
+        for step in range(steps):
+            for i, (c, q) in enumerate(zip(copies, params, strict=True)):
+                gen = torch.Generator(device=q.device).manual_seed(step * 1000 + i)
+                c.grad = torch.randn(q.shape, device=q.device, generator=gen) * 1e-3
+            opt.step()
+        results.append((copies, opt))
+    (pf, of), (pr, orf) = results
+    same = all(torch.equal(a, b) for a, b in zip(pf, pr, strict=True))
+    for a, b in zip(pf, pr, strict=True):
+        for key, value in orf.state[b].items():
+            mine = of.state[a][key]
+            if value.dtype == torch.float8_e4m3fn:
+                mine, value = mine.view(torch.uint8), value.view(torch.uint8)
+            same &= torch.equal(mine, value)
+    return same
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=100e6, help="total parameters (default 100M)")
@@ -65,22 +100,39 @@ def main() -> None:
         q.grad = torch.randn_like(q) * 1e-3
     n = sum(q.numel() for q in params)
     cuda = device.type == "cuda"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     makers = {
         "torch AdamW (fused)" if cuda else "torch AdamW": lambda: torch.optim.AdamW(
             params, lr=1e-3, fused=cuda or None),
-        "AdamW4": lambda: AdamW4(params, lr=1e-3),
+        "AdamW4 (fused)": lambda: AdamW4(params, lr=1e-3, fused=True),
+        "AdamW4 (fused, m and v kept in fp32 between passes)": lambda: keep_fp32(
+            AdamW4(params, lr=1e-3, fused=True)),
+        "AdamW4 (reference)": lambda: AdamW4(params, lr=1e-3, fused=False),
         "Muon (fp32 momentum, bf16 NS)": lambda: Muon4(params, lr=0.02, quantize=False),
         "Muon4": lambda: Muon4(params, lr=0.02),
     }
+    if not cuda:
+        del makers["AdamW4 (fused, m and v kept in fp32 between passes)"]
+        if not interpreted:
+            print("AdamW4 (fused): skipped (on the CPU it runs only with TRITON_INTERPRET=1)")
+            del makers["AdamW4 (fused)"]
     rows = []
     print(f"{n / 1e6:.1f}M parameters in {len(params)} matrices, device {device}")
+    if cuda:
+        for keep in (False, True):
+            kernels.KEEP_FP32 = keep
+            label = " (m and v kept in fp32)" if keep else ""
+            print(f"fused{label} == reference: {fused_matches_reference(params[:3])}")
     for name, make in makers.items():
+        kernels.KEEP_FP32 = False
         opt = make()
         opt.step()  # creates the states
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        ms = time_step(opt, device, args.reps)
+        # The interpreter takes ~70 ms per program and pass: one timed step is plenty.
+        reps = 1 if "fused" in name and not cuda else args.reps
+        ms = time_step(opt, device, reps)
         row = {"optimizer": name, "step_ms": ms, "state_bytes_per_param": state_bytes(opt) / n}
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -225,7 +225,9 @@ def test_first_step_is_torch_adamw_first_step(transform, rounding, first_moment)
     run(AdamW4([ours], transform=transform, state_rounding=rounding,
                first_moment=first_moment), [ours], [[g]])
     run(torch.optim.AdamW([theirs], foreach=False), [theirs], [[g]])
-    assert torch.allclose(ours, theirs, rtol=0, atol=1e-7)
+    # Within 2 ulps: the quantized path rounds sqrt exactly and orders ops its own way (see
+    # quantized_update); decoding a fresh state wrongly would be far off.
+    assert torch.allclose(ours, theirs, rtol=2**-22, atol=1e-7)
 
 
 def test_params_without_grad_get_no_state():
@@ -342,7 +344,7 @@ def test_bf16_params_update_through_fp32():
     (dict(amsgrad=True), "amsgrad"),
     (dict(maximize=True), "maximize"),
     (dict(foreach=True), "foreach"),
-    (dict(fused=True), "fused"),
+    (dict(fused="yes"), "fused"),  # fused=True is tested in test_adamw4_fused.py
 ])
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

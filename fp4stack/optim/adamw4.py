@@ -18,6 +18,7 @@ failure modes: v spanning decades inside a 16-block, and gradients spanning deca
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,6 +36,7 @@ from .state_transforms import (
     encode_state,
     get_transform,
     safe_divide,
+    sqrt_rn,
 )
 
 DEFAULT_TRANSFORM = "rank1"
@@ -83,6 +85,29 @@ def adamw_update(
     param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
 
 
+def quantized_update(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: float,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+) -> None:
+    """The AdamW step of the NVFP4-state path, in place on fp32 tensors.
+
+    The same maths as `adamw_update`, spelled out as single float32 operations (each tensor op
+    one rounding; scalars are Python floats rounded to float32), so that it gives the same bits
+    on every device and the fused kernel (fp4stack/kernels/adamw4.py) repeats it exactly:
+    torch's lerp_, addcmul_ and addcdiv_ may contract to FMAs depending on the device and the
+    build, and CUDA divides by a host scalar as a multiplication by its reciprocal (hence the
+    device tensor below). The order otherwise follows torch's CPU kernels.
+    """
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.add_((grad - exp_avg) * (1 - beta1))
+    exp_avg_sq.mul_(beta2).add_((grad * (1 - beta2)) * grad)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = torch.tensor((1 - beta2**step) ** 0.5, device=param.device)
+    denom = (sqrt_rn(exp_avg_sq) / bias_correction2_sqrt).add_(eps)
+    param.add_((exp_avg * -(lr / bias_correction1)) / denom)
+
+
 class AdamW4(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with m and v held as NVFP4.
 
@@ -114,8 +139,16 @@ class AdamW4(torch.optim.Optimizer):
         first_moment: "normalized" (store m / sqrt(v)) or "direct" (store m).
         min_numel: tensors smaller than this keep fp32 states.
         seed: base seed of the stochastic rounding.
-    All options may differ per param group; a parameter's state layout is fixed at its first
-    step. maximize, amsgrad, foreach and fused are not implemented (a ValueError if set).
+        fused: run the quantized states of a group in one fused Triton step
+            (fp4stack/kernels/adamw4.py), bit-exact with the step here. None: when the group has
+            the default transform, state_rounding and first_moment, Triton is installed, and the
+            parameter is float32 and on CUDA; other parameters take the step here. True: require
+            it (a ValueError says why not; on the CPU it runs under TRITON_INTERPRET=1, for
+            tests). False: never. The state_dict is the same either way, so a run may switch.
+    All options but `fused` may differ per param group; a parameter's state layout is fixed at
+    its first step. maximize, amsgrad and foreach are not implemented (a ValueError if set).
+    The fused step keeps a spare set of NVFP4 states per parameter (~1.13 bytes per parameter,
+    not counted by `state_bytes` nor saved) to write the new states into.
     """
 
     def __init__(
@@ -136,17 +169,36 @@ class AdamW4(torch.optim.Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
     ) -> None:
-        for name, flag in (("maximize", maximize), ("amsgrad", amsgrad), ("foreach", foreach),
-                           ("fused", fused)):
+        for name, flag in (("maximize", maximize), ("amsgrad", amsgrad), ("foreach", foreach)):
             if flag:
                 raise ValueError(f"AdamW4 does not implement {name}={flag!r}")
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        # Set before super().__init__, which adds the groups (and checks them).
+        self.fused = fused
+        self._spares: dict[Tensor, dict[str, Tensor]] = {}
+        self._plans: dict = {}
+        self._step_views: dict = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         transform=transform, state_rounding=state_rounding,
                         first_moment=first_moment, min_numel=min_numel, seed=seed)
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "fused": self.fused}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickling keeps `fused` but not the fused step's spares and device tables.
+        super().__setstate__(state)
+        self.__dict__.setdefault("fused", None)
+        self._spares, self._plans, self._step_views = {}, {}, {}
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         _check_group({**self.defaults, **param_group})
+        if self.fused:
+            reason = _unfusable_group({**self.defaults, **param_group})
+            if reason:
+                raise ValueError(f"AdamW4(fused=True): {reason}")
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -160,11 +212,95 @@ class AdamW4(torch.optim.Optimizer):
         # state_dict round trip, so a reloaded run draws the same bits.
         index = 0
         for group in self.param_groups:
+            fused = self.fused is not False and not _unfusable_group(group)
+            on_cpu = bool(self.fused) and _interpreted()  # the kernel under the interpreter
+            batch = []
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(p, group, index)
+                    if fused and self._fusable(p, group, on_cpu):
+                        batch.append((p, index))
+                    else:
+                        self._step_param(p, group, index)
                 index += 1
+            if batch:
+                self._fused_step(batch, group)
         return loss
+
+    def _fusable(self, p: Tensor, group: dict[str, Any], on_cpu: bool) -> bool:
+        """Whether p (with a gradient, in a fusable group) takes the fused step: quantized
+        states, float32, contiguous and 16-byte aligned, on CUDA (or on the CPU under the
+        Triton interpreter with fused=True). With fused=True, a quantized parameter that cannot
+        is an error."""
+        state = self.state[p]
+        if "exp_avg" in state or (not state and keeps_fp32_state(p, group["min_numel"])):
+            return False
+        grad = p.grad
+        reason = None
+        if not (p.is_cuda or on_cpu):
+            reason = f"a parameter is on {p.device} (CUDA, or TRITON_INTERPRET=1 on the CPU)"
+        elif p.dtype != torch.float32 or grad.dtype != torch.float32 or grad.is_sparse:
+            reason = f"needs float32 parameters and dense gradients, got {p.dtype} / {grad.dtype}"
+        elif not (p.is_contiguous() and grad.is_contiguous()):
+            reason = "needs contiguous parameters and gradients"
+        elif p.data_ptr() % 16 or grad.data_ptr() % 16 or p.numel() >= 2**31:
+            reason = "needs 16-byte aligned parameters and gradients of < 2**31 elements"
+        if reason is None:
+            return True
+        if self.fused:
+            raise ValueError(f"AdamW4(fused=True): {reason}")
+        return False
+
+    def _fused_step(self, batch: list[tuple[Tensor, int]], group: dict[str, Any]) -> None:
+        from ..kernels.adamw4 import FIELDS, fused_step
+
+        states = []
+        for p, _ in batch:
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, state)
+            states.append(state)
+        # Launched together only with the same step count (the bias corrections and seeds are
+        # per launch): normally all of them.
+        by_step: dict[int, list[int]] = {}
+        for i, v in enumerate(self._count_steps(states)):
+            by_step.setdefault(int(v), []).append(i)
+        beta1, beta2 = group["betas"]
+        for step, members in by_step.items():
+            params = [batch[i][0] for i in members]
+            spares = []
+            for p in params:
+                spare = self._spares.get(p)
+                if spare is None:
+                    state = self.state[p]
+                    spare = self._spares[p] = {f: torch.empty_like(state[f]) for f in FIELDS}
+                spares.append(spare)
+            fused_step(
+                params, [p.grad for p in params], [states[i] for i in members], spares,
+                [batch[i][1] for i in members], step, lr=group["lr"], beta1=beta1,
+                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                seed=group["seed"], cache=self._plans,
+            )
+
+    def _count_steps(self, states: list[dict[str, Tensor]]) -> list[float]:
+        """Add 1 to the states' "step" counters and return them.
+
+        The counters of a set of parameters stepped together become 0-d views of one tensor, so
+        this is one addition, not one per parameter (tens of microseconds a step). They stay
+        float32 0-d CPU tensors, as torch and the reference step keep them.
+        """
+        key = tuple(id(s["step"]) for s in states)
+        entry = self._step_views.get(key)
+        if entry is None:
+            flat = torch.stack([s["step"] for s in states])
+            for i, s in enumerate(states):
+                s["step"] = flat[i]
+            views = [s["step"] for s in states]
+            if len(self._step_views) >= 8:
+                self._step_views.clear()
+            # The views are kept here, so the ids in the key are not reused while it is.
+            entry = self._step_views[tuple(map(id, views))] = (flat, views)
+        entry[0].add_(1.0)
+        return entry[0].tolist()
 
     def _step_param(self, p: Tensor, group: dict[str, Any], index: int) -> None:
         grad = p.grad
@@ -186,14 +322,15 @@ class AdamW4(torch.optim.Optimizer):
             exp_avg = dequantize(_nvfp4(state, "exp_avg", p.shape))
             exp_avg_sq = _read_v(state, transform, p.shape)
             if group["first_moment"] == "normalized":
-                exp_avg = exp_avg * exp_avg_sq.sqrt()
+                exp_avg = exp_avg * sqrt_rn(exp_avg_sq)
         else:
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
 
         p32 = p if p.dtype == torch.float32 else p.detach().float()
         beta1, beta2 = group["betas"]
-        adamw_update(p32, grad.float(), exp_avg, exp_avg_sq, step, group["lr"], beta1, beta2,
-                     group["eps"], group["weight_decay"])
+        update = quantized_update if quantized else adamw_update
+        update(p32, grad.float(), exp_avg, exp_avg_sq, step, group["lr"], beta1, beta2,
+               group["eps"], group["weight_decay"])
         if p32 is not p:
             p.copy_(p32)
 
@@ -204,7 +341,7 @@ class AdamW4(torch.optim.Optimizer):
             _store(state, "exp_avg_sq", quantize(stored_v, spec=spec, seed=seed))
             if group["first_moment"] == "normalized":
                 # Divided by the v the next step will read back, so m round-trips exactly.
-                exp_avg = safe_divide(exp_avg, _read_v(state, transform, p.shape).sqrt())
+                exp_avg = safe_divide(exp_avg, sqrt_rn(_read_v(state, transform, p.shape)))
             seed = state_seed(group["seed"], index, int(step), 0)
             _store(state, "exp_avg", quantize(exp_avg, spec=spec, seed=seed))
 
@@ -229,6 +366,9 @@ class AdamW4(torch.optim.Optimizer):
         so the loaded states are put back as saved.
         """
         super().load_state_dict(state_dict)
+        self._spares.clear()
+        self._plans.clear()
+        self._step_views.clear()
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params, strict=True):
@@ -279,6 +419,24 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"min_numel must be an int >= 0, got {group['min_numel']!r}")
     if not isinstance(group["seed"], int) or group["seed"] < 0:
         raise ValueError(f"seed must be an int >= 0, got {group['seed']!r}")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _unfusable_group(group: dict[str, Any]) -> str | None:
+    """Why the fused step cannot run this group's settings, or None."""
+    wanted = {"transform": DEFAULT_TRANSFORM, "state_rounding": DEFAULT_ROUNDING,
+              "first_moment": DEFAULT_FIRST_MOMENT}
+    for name, value in wanted.items():
+        if group[name] != value:
+            return f"the fused step implements only {name}={value!r}, got {group[name]!r}"
+    from .. import kernels
+
+    if not kernels.available():
+        return "Triton is not installed"
+    return None
 
 
 def _nvfp4(state: dict[str, Tensor], name: str, shape: torch.Size) -> NVFP4Tensor:

@@ -26,6 +26,11 @@ product n = R C^T / mean(v) of its row and column means, kept in fp32 (4 bytes p
 column): the separable part of v (a gradient delta x^T has v ~ delta^2 x^2, spanning as many
 decades along a block as the inputs x do, and across rows as the rows' gradients do) never
 reaches the quantizer. Measured in benchmarks/study_adamw4_transforms.py (see adamw4.py).
+
+Rounding is pinned down so that the fused Triton step (fp4stack/kernels/adamw4.py) gives the same
+bits: square roots are correctly rounded (`sqrt_rn`), and the rank-1 factors come from float64
+sums with float64 divisions rounded once to float32, so the order in which the kernel adds its
+tiles does not show (in practice: see `rank1_factors`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,13 @@ _ZERO_SCALE_BOUND = 12 * 2.0**-10
 _SQRT_FLT_MAX = math.sqrt(torch.finfo(torch.float32).max)
 
 
+def sqrt_rn(x: Tensor) -> Tensor:
+    """Correctly rounded float32 square root on every device (through float64, which rounds
+    exactly for a square root): torch's CPU sqrt (AVX-512) is off by one ulp on ~1 value in 6,
+    and the fused kernel rounds exactly."""
+    return x.double().sqrt().to(x.dtype)
+
+
 def encode_v(v: Tensor) -> Tensor:
     return v
 
@@ -61,7 +73,7 @@ def decode_v(stored: Tensor) -> Tensor:
 
 
 def encode_sqrt(v: Tensor) -> Tensor:
-    return v.sqrt()
+    return sqrt_rn(v)
 
 
 def decode_sqrt(stored: Tensor) -> Tensor:
@@ -69,7 +81,7 @@ def decode_sqrt(stored: Tensor) -> Tensor:
 
 
 def encode_pow4(v: Tensor) -> Tensor:
-    return v.sqrt().sqrt()
+    return sqrt_rn(sqrt_rn(v))
 
 
 def decode_pow4(stored: Tensor) -> Tensor:
@@ -88,7 +100,7 @@ def decode_log(stored: Tensor) -> Tensor:
 
 
 def encode_rsqrt(v: Tensor) -> Tensor:
-    return 1.0 / (v.sqrt() + RSQRT_C)
+    return 1.0 / (sqrt_rn(v) + RSQRT_C)
 
 
 def decode_rsqrt(stored: Tensor) -> Tensor:
@@ -99,11 +111,22 @@ def decode_rsqrt(stored: Tensor) -> Tensor:
 
 def rank1_factors(v: Tensor) -> tuple[Tensor, Tensor]:
     """Row and column means of v viewed as [rows, K] (leading dims flattened), rows scaled by
-    1 / mean(v) so that `rank1_estimate` is their outer product (0 where v is all zero)."""
-    v2 = v.reshape(-1, v.shape[-1])
-    total = v2.mean()
-    row = v2.mean(dim=1) / torch.where(total > 0, total, torch.ones_like(total))
-    return row, v2.mean(dim=0)
+    1 / mean(v) so that `rank1_estimate` is their outer product (0 where v is all zero).
+
+    The sums are float64, and the means and the ratio float64 products rounded once to float32:
+    a float32 sum depends on its order, while float64 sums of float32 values round to the same
+    float32 factors in any order in practice (an error of ~1e-16 relative would have to straddle
+    a float32 rounding boundary), so the fused kernel, which adds tiles atomically in whatever
+    order they finish, gets the same factors. Means multiply by the reciprocal of the count
+    (each op rounded once, the same on every device; the kernel saves a float64 division per
+    element that way).
+    """
+    v2 = v.reshape(-1, v.shape[-1]).double()
+    rows, k = v2.shape
+    total = v2.sum() * (1.0 / (rows * k))
+    inv_total = 1.0 / torch.where(total > 0, total, torch.ones_like(total))
+    row = (v2.sum(dim=1) * (1.0 / k)) * inv_total
+    return row.float(), (v2.sum(dim=0) * (1.0 / rows)).float()
 
 
 def rank1_estimate(row: Tensor, col: Tensor, shape: torch.Size) -> Tensor:

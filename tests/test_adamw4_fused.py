@@ -1,0 +1,233 @@
+"""AdamW4's fused Triton step (fp4stack/kernels/adamw4.py) against its reference step, bit for bit.
+
+On the CPU the kernel runs under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so the shapes are small: about 70 ms per program and pass. With CUDA, the same tests also run on
+the GPU with larger shapes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+import fp4stack.kernels.adamw4 as fused_kernels
+from fp4stack.optim import AdamW4
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = (["cpu"] if INTERPRETED else []) + (["cuda"] if torch.cuda.is_available() else [])
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # for the tests run on one device
+CHECK_AFTER = (1, 2, 5)
+# The interpreter divides by zero where the kernel then selects another value.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randn(*shape, seed=0, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def make_grad(shape, seed, device, decades=0.0):
+    """A gradient whose 16-element blocks' scales span `decades` decades at random (0: all
+    alike), with one row all zero."""
+    g = randn(*shape, seed=seed)
+    if decades:
+        g2 = g.reshape(-1, shape[-1] // 16, 16)
+        u = torch.rand(g2.shape[:2], generator=torch.Generator().manual_seed(seed + 1))
+        g2 *= (10.0 ** (-decades * u))[:, :, None]
+        g2[g2.shape[0] // 2] = 0
+    return g.to(device)
+
+
+def twin_runs(groups_of_shapes, group_options, device, steps, grad_pattern=None, decades=0.0,
+              **options):
+    """Yield (step, fused optimizer, reference optimizer) after each step of two optimizers that
+    differ only in `fused`, fed the same gradients. grad_pattern(step, i) False leaves param i
+    without a gradient at that step."""
+    optimizers = []
+    for fused in (True, False):
+        groups, k = [], 0
+        for shapes, extra in zip(groups_of_shapes, group_options, strict=True):
+            params = [torch.nn.Parameter(randn(*s, seed=100 + k + i, device=device))
+                      for i, s in enumerate(shapes)]
+            k += len(shapes)
+            groups.append({"params": params, **extra})
+        optimizers.append(AdamW4(groups, fused=fused, **options))
+    for step in range(1, steps + 1):
+        for opt in optimizers:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                keep = grad_pattern is None or grad_pattern(step, i)
+                p.grad = make_grad(p.shape, 1000 * step + i, device, decades) if keep else None
+            opt.step()
+        yield step, optimizers[0], optimizers[1]
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def assert_same(fused, reference):
+    """Parameters and every state tensor equal bit for bit (torch.equal)."""
+    pf = [p for g in fused.param_groups for p in g["params"]]
+    pr = [p for g in reference.param_groups for p in g["params"]]
+    for i, (a, b) in enumerate(zip(pf, pr, strict=True)):
+        assert torch.equal(a, b), f"param {i} {tuple(a.shape)}: max diff {(a - b).abs().max()}"
+        sa, sb = fused.state[a], reference.state[b]
+        assert sa.keys() == sb.keys()
+        for key in sb:
+            assert sa[key].dtype == sb[key].dtype and sa[key].shape == sb[key].shape, key
+            assert torch.equal(bits(sa[key]), bits(sb[key])), f"param {i}: state {key} differs"
+
+
+def shapes_for(device):
+    if device == "cpu":
+        # A 3-D param, rows not a multiple of the tile, last dims 16 and 80 (5 blocks), 1-D and
+        # small params with fp32 states (min_numel=256).
+        return [(40, 48), (3, 6, 160), (20, 16), (33, 80), (48,), (8, 16)]
+    return [(1000, 48), (3, 50, 160), (300, 16), (333, 1040), (48,), (8, 16), (64, 4096)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_equals_reference_for_assorted_shapes(device):
+    # A large lr, so that an ulp of the update shows in the parameters.
+    runs = twin_runs([shapes_for(device)], [{}], device, max(CHECK_AFTER), min_numel=256, lr=0.3)
+    for step, fused, reference in runs:
+        if step in CHECK_AFTER:
+            assert_same(fused, reference)
+    assert "exp_avg_sq_row" in fused.state[fused.param_groups[0]["params"][1]]
+    assert "exp_avg" in fused.state[fused.param_groups[0]["params"][4]]  # fp32 fallback
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """Fewer, larger programs under the interpreter (its cost is per program, not per element);
+    the shapes above keep the default tiles, several per tensor."""
+    if not INTERPRETED:
+        return
+    monkeypatch.setattr(fused_kernels, "BM", 32)
+    monkeypatch.setattr(fused_kernels, "KB", 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_equals_reference_across_groups_and_missing_grads(device, wide_tiles):
+    scale = 1 if device == "cpu" else 20
+    shapes_a = [(24 * scale, 32), (16, 64 * scale), (10, 16)]
+    shapes_b = [(32 * scale, 48), (64,)]
+    # Param 1 has no gradient at step 2 (so its step count falls behind, and it is launched
+    # apart from the others afterwards); param 3 never has one.
+    def pattern(step, i):
+        return not (i == 1 and step == 2) and i != 3
+
+    runs = twin_runs([shapes_a, shapes_b],
+                     [{"lr": 3e-3, "weight_decay": 0.1}, {"lr": 1e-2, "weight_decay": 0.0}],
+                     device, max(CHECK_AFTER), grad_pattern=pattern, min_numel=128, seed=7)
+    for step, fused, reference in runs:
+        if step in CHECK_AFTER:
+            assert_same(fused, reference)
+    p1, p3 = fused.param_groups[0]["params"][1], fused.param_groups[1]["params"][0]
+    assert fused.state[p1]["step"].item() == 4 and not fused.state[p3]
+
+
+@pytest.mark.parametrize("keep_fp32", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_equals_reference_when_rows_span_decades(device, keep_fp32, wide_tiles,
+                                                        monkeypatch):
+    # keep_fp32: the variant whose later passes read m and v from pass 0 instead of
+    # recomputing them.
+    monkeypatch.setattr(fused_kernels, "KEEP_FP32", keep_fp32)
+    # Block scales over 8 decades (no rank-1 estimate removes them) and an all-zero row: zero
+    # codes lifted to the block floor, zero block scales, zero rows of v (a zero estimate).
+    shapes = [(32, 64), (20, 48)] if device == "cpu" else [(512, 768), (300, 1024)]
+    runs = twin_runs([shapes], [{}], device, max(CHECK_AFTER), decades=8.0, min_numel=0,
+                     lr=1e-2)
+    for step, fused, reference in runs:
+        if step in CHECK_AFTER:
+            assert_same(fused, reference)
+    scales = fused.state[fused.param_groups[0]["params"][0]]["exp_avg_sq_scales"]
+    assert (scales.float() == 0).any()  # the case the zero-scale bound is for
+
+
+def test_fused_path_is_taken_and_the_reference_is_not(monkeypatch, wide_tiles):
+    calls = []
+    real = fused_kernels.fused_step
+    monkeypatch.setattr(fused_kernels, "fused_step",
+                        lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+
+    def refuse(*args):
+        raise AssertionError("reference step taken")
+
+    monkeypatch.setattr(AdamW4, "_step_param", refuse)
+    params = [torch.nn.Parameter(randn(32, 64, seed=i, device=DEV)) for i in range(3)]
+    opt = AdamW4(params, fused=True, min_numel=0)
+    for p in params:
+        p.grad = randn(32, 64, seed=9, device=DEV)
+    opt.step()
+    assert calls == [3]  # the three tensors in one fused step
+
+
+def test_fused_none_on_the_cpu_takes_the_reference(monkeypatch):
+    monkeypatch.setattr(fused_kernels, "fused_step", None)  # would fail if called
+    p = torch.nn.Parameter(randn(32, 64))
+    p.grad = randn(32, 64, seed=1)
+    opt = AdamW4([p], min_numel=0)
+    opt.step()
+    assert "exp_avg_data" in opt.state[p]
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(transform="sqrt"), "transform='rank1'"),
+    (dict(state_rounding="rne"), "state_rounding='stochastic'"),
+    (dict(first_moment="direct"), "first_moment='normalized'"),
+])
+def test_fused_true_with_other_settings_raises(options, match):
+    with pytest.raises(ValueError, match=match):
+        AdamW4([torch.nn.Parameter(torch.zeros(32, 64))], fused=True, **options)
+
+
+def test_fused_true_with_a_bf16_param_raises():
+    p = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16, device=DEV))
+    p.grad = torch.ones_like(p)
+    opt = AdamW4([p], fused=True, min_numel=0)
+    with pytest.raises(ValueError, match="float32"):
+        opt.step()
+
+
+def test_fused_true_on_the_cpu_without_the_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = torch.nn.Parameter(torch.zeros(32, 64))
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="CUDA"):
+        AdamW4([p], fused=True, min_numel=0).step()
+
+
+def test_state_dict_moves_between_the_two_paths(wide_tiles):
+    # Two fused steps, saved, reloaded into a reference optimizer and a fused one: the next
+    # step agrees, and the saved layout is the reference's.
+    shapes = [(32, 64), (16, 48)]
+    *_, (_, fused, reference) = twin_runs([shapes], [{}], DEV, 2, min_numel=0)
+    assert_same(fused, reference)
+    buf = io.BytesIO()
+    torch.save(fused.state_dict(), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    assert saved["param_groups"] == reference.state_dict()["param_groups"]
+    params = [p for g in fused.param_groups for p in g["params"]]
+    resumed = []
+    for fused_flag in (True, False):
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = AdamW4(copies, min_numel=0, fused=fused_flag)
+        opt.load_state_dict(saved)
+        for i, c in enumerate(copies):
+            c.grad = make_grad(c.shape, 77 + i, DEV)
+        opt.step()
+        resumed.append(opt)
+    assert_same(*resumed)

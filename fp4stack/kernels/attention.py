@@ -148,28 +148,39 @@ def key_range(pid_m, S, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL:
 
 
 @triton.jit
+def key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L, qk_scale,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                    CAUSAL: tl.constexpr, MMA_TY: tl.constexpr, PRECISION: tl.constexpr):
+    """The K and V units of the key tile at start_n and the scaled scores of the query tile q
+    against it: (keys, key_ok, k, v, s). MASK: keys past L load as zeros (the reference's
+    padding of V's last 16-block) and s is -inf where a key is past L or causally hidden."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    key_ok = keys < L
+    kv_off = kv_base + keys[:, None] * D + tl.arange(0, D)[None, :]
+    if MASK:
+        k = tl.load(ku_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+        v = tl.load(vu_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+    else:
+        k = tl.load(ku_ptr + kv_off).to(MMA_TY)
+        v = tl.load(vu_ptr + kv_off).to(MMA_TY)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASK:
+        allowed = key_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (keys[None, :] <= rows[:, None] + (L - S))
+        s = tl.where(allowed, s, float("-inf"))
+    return keys, key_ok, k, v, s
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L, qk_scale, v_dec,
                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                MMA_TY: tl.constexpr, PRECISION: tl.constexpr):
     """The online softmax over key tiles [lo, hi); MASK: apply the causal and key-count masks."""
     DOT_TY: tl.constexpr = ku_ptr.dtype.element_ty
-    cols = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        kv_off = kv_base + keys[:, None] * D + cols[None, :]
-        if MASK:  # keys past L are zeros (the reference's padding of V's last 16-block)
-            key_ok = keys < L
-            k = tl.load(ku_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-            v = tl.load(vu_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-        else:
-            k = tl.load(ku_ptr + kv_off).to(MMA_TY)
-            v = tl.load(vu_ptr + kv_off).to(MMA_TY)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if MASK:
-            allowed = key_ok[None, :]
-            if CAUSAL:
-                allowed = allowed & (keys[None, :] <= rows[:, None] + (L - S))
-            s = tl.where(allowed, s, float("-inf"))
+        _, _, _, v, s = key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L, qk_scale,
+                                        D, BLOCK_N, MASK, CAUSAL, MMA_TY, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key yet keeps max -inf: shift by 0 there, so exp gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

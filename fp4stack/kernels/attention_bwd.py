@@ -39,7 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import INV_RANGE, SCALE_MAX, Tile, key_range, mma_type, quantize_tile
+from .attention import (
+    INV_RANGE,
+    SCALE_MAX,
+    Tile,
+    key_range,
+    key_tile_scores,
+    mma_type,
+    quantize_tile,
+)
 from .nvfp4 import _launch_options
 
 # The default of backward_units and of fp4_attention's Triton path: False sums dQ with atomics.
@@ -63,23 +71,10 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, vu_ptr, dbg_ptr, kv_base, bh
                  MMA_TY: tl.constexpr, PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr,
                  DEBUG: tl.constexpr):
     """query_kernel's loop over key tiles [lo, hi); MASK: apply the causal and key-count masks."""
-    cols = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        key_ok = keys < L
-        kv_off = kv_base + keys[:, None] * D + cols[None, :]
-        if MASK:
-            k = tl.load(ku_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-            v = tl.load(vu_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-        else:
-            k = tl.load(ku_ptr + kv_off).to(MMA_TY)
-            v = tl.load(vu_ptr + kv_off).to(MMA_TY)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if MASK:
-            allowed = key_ok[None, :]
-            if CAUSAL:
-                allowed = allowed & (keys[None, :] <= rows[:, None] + (L - S))
-            s = tl.where(allowed, s, float("-inf"))
+        keys, key_ok, k, v, s = key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L,
+                                                qk_scale, D, BLOCK_N, MASK, CAUSAL, MMA_TY,
+                                                PRECISION)
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION) * v_dec
         ds = p * (dp - delta[:, None])

@@ -231,3 +231,65 @@ def test_state_dict_moves_between_the_two_paths(wide_tiles):
         opt.step()
         resumed.append(opt)
     assert_same(*resumed)
+
+
+def resident_bytes(opt):
+    """Bytes of the tensors reachable from the optimizer's attributes other than its states,
+    parameters and gradients (the fused step's spares, device tables, step counters...), each
+    storage once."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    owned = {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)}
+    owned |= {t.untyped_storage().data_ptr() for p in params
+              for t in (p, p.grad) if t is not None}
+    seen, storages = set(), {}
+    todo = [v for k, v in vars(opt).items() if k != "state"]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in owned:
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(x, dict):
+            todo += [*x.keys(), *x.values()]
+        elif isinstance(x, list | tuple | set):
+            todo += list(x)
+        elif type(x).__module__.startswith("fp4stack"):  # the fused step's plans
+            todo += list(vars(x).values())
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_step_keeps_no_second_set_of_states(device, wide_tiles):
+    # Between steps, the fused optimizer holds its states and, besides them, only small things:
+    # spares of the amaxes and rank-1 factors, launch tables. A spare set of NVFP4 states
+    # (1.125 bytes per parameter) would exceed the bound below several times over.
+    scale = 1 if device == "cpu" else 16
+    shapes = [(64 * scale, 256), (48, 128 * scale), (3, 16, 64)]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    rows_cols = sum(torch.Size(s).numel() // s[-1] + s[-1] for s in shapes)
+    bound = 16 * rows_cols + 512 * len(shapes)
+    assert bound < 0.5 * 1.125 * numel
+    for step, fused, reference in twin_runs([shapes], [{}], device, 3, min_numel=0, lr=0.1):
+        assert_same(fused, reference)
+        assert resident_bytes(fused) <= bound
+        assert fused.state_bytes() == reference.state_bytes()
+        if device == "cuda" and step == 3:
+            # The step's transient buffers go back to the caching allocator: a step allocates
+            # nothing that outlives it (the grads below are the same size as before). The last
+            # step: the fused optimizer is one step ahead of the reference after it.
+            params = [p for g in fused.param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                p.grad = make_grad(p.shape, 5000 + step + i, device)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fused.step()
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == before
+            # The new v's codes and scales and the float64 sums, with room for rounding.
+            transient = 0.5625 * numel + 8 * (rows_cols + 2 * len(shapes)) + (1 << 20)
+            assert torch.cuda.max_memory_allocated() - before <= transient

@@ -147,8 +147,13 @@ class AdamW4(torch.optim.Optimizer):
             tests). False: never. The state_dict is the same either way, so a run may switch.
     All options but `fused` may differ per param group; a parameter's state layout is fixed at
     its first step. maximize, amsgrad and foreach are not implemented (a ValueError if set).
-    The fused step keeps a spare set of NVFP4 states per parameter (~1.13 bytes per parameter,
-    not counted by `state_bytes` nor saved) to write the new states into.
+    The fused step rewrites the packed codes and block scales of m and v in place, so between
+    steps it holds, besides the states, only spares of the small fields that every program
+    reads while it writes their new values (the two fp32 amaxes and the rank-1 factors: 8 bytes
+    per tensor and 4 per row and per column), and its launch tables (~200 bytes per tensor and
+    4 per 1024 elements); neither is counted by `state_bytes` nor saved. During a step it
+    allocates the new v's codes and scales (0.5625 bytes per parameter) and float64 row, column
+    and total sums (8 bytes per row and per column), freed when the step returns.
     """
 
     def __init__(
@@ -251,7 +256,7 @@ class AdamW4(torch.optim.Optimizer):
         return False
 
     def _fused_step(self, batch: list[tuple[Tensor, int]], group: dict[str, Any]) -> None:
-        from ..kernels.adamw4 import FIELDS, fused_step
+        from ..kernels.adamw4 import SMALL, fused_step
 
         states = []
         for p, _ in batch:
@@ -272,7 +277,7 @@ class AdamW4(torch.optim.Optimizer):
                 spare = self._spares.get(p)
                 if spare is None:
                     state = self.state[p]
-                    spare = self._spares[p] = {f: torch.empty_like(state[f]) for f in FIELDS}
+                    spare = self._spares[p] = {f: torch.empty_like(state[f]) for f in SMALL}
                 spares.append(spare)
             fused_step(
                 params, [p.grad for p in params], [states[i] for i in members], spares,

@@ -7,6 +7,7 @@
 
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -17,3 +18,14 @@ if not torch.cuda.is_available():
 settings.register_profile("fp4stack", max_examples=100, deadline=None, print_blob=True)
 settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fp4stack"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny tensors: with several threads on a busy machine,
+    OpenMP hand-offs cost more than the maths (a 64x64 matmul took milliseconds, not
+    microseconds). Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

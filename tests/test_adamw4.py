@@ -16,14 +16,7 @@ from fp4stack.optim.state_transforms import TRANSFORMS, decode_state, encode_sta
 NAMES = list(TRANSFORMS)
 INCREASING = [n for n in NAMES if n != "rsqrt"]  # stored grows with v (rsqrt shrinks)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The tensors here are tiny: extra threads only add contention (10-100x slower on a busy CPU).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def randn(*shape, seed=0, scale=1.0):

@@ -21,15 +21,8 @@ DEVICES = (["cpu"] if INTERPRETED else []) + (["cuda"] if torch.cuda.is_availabl
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # for the tests run on one device
 CHECK_AFTER = (1, 2, 5)
 # The interpreter divides by zero where the kernel then selects another value.
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def randn(*shape, seed=0, device="cpu"):

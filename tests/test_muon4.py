@@ -26,15 +26,7 @@ A, B, C = 3.4445, -4.7750, 2.0315
 SHAPES = [(96, 32), (32, 96), (64, 64), (48, 80)]  # tall, wide, square, not a multiple of 16
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The matrices here are tiny: with several threads on a busy machine, OpenMP hand-offs
-    cost more than the maths (a 64x64 matmul took milliseconds instead of microseconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

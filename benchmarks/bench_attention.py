@@ -169,8 +169,9 @@ FP32_PTRS = ("lse_ptr", "amax_ptr", "delta_ptr", "partial_ptr", "dbg_ptr")
 
 
 def compile_check() -> list[str]:
-    """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles) without a GPU; report
-    ptxas's registers and spills when a ptxas that reads Triton's PTX is at hand."""
+    """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles; the backward also in
+    the variants of the ablations reuse=False and ds=None) without a GPU; report ptxas's
+    registers and spills when a ptxas that reads Triton's PTX is at hand."""
     import re
     import subprocess
     import tempfile
@@ -188,7 +189,8 @@ def compile_check() -> list[str]:
     for d in (64, 128):
         tiles = fa.default_tiles(d)
         mma = dict(MMA_TY=tl.bfloat16, PRECISION=None)
-        bwd = dict(D=d, CAUSAL=True, SCALE_MAX=448.0, DEBUG=False, **mma)
+        bwd = dict(D=d, CAUSAL=True, SCALE_MAX=448.0, DEBUG=False, REUSE=True, QUANT_DS=True,
+                   **mma)
         jobs = [
             ("quant d-blocks", fa.quantize_units_kernel, tiles["quant"],
              dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=1, SCALE_MAX=448.0)),
@@ -201,6 +203,14 @@ def compile_check() -> list[str]:
             ("dkdv atomic dQ", ba.dkdv_kernel, tiles["dkdv"], dict(ATOMIC_DQ=True, **bwd)),
             ("dkdv", ba.dkdv_kernel, tiles["dkdv"], dict(ATOMIC_DQ=False, **bwd)),
         ]
+        # The ablations' variants (AttentionQuant(reuse=False), AttentionQuant(ds=None)); the
+        # amax pass is the default one for reuse=False and does not run for ds=None.
+        for tag, flags in (("noreuse", dict(REUSE=False)), ("ds-hp", dict(QUANT_DS=False))):
+            jobs += [(f"dq {tag}", ba.query_kernel, tiles["dq"], dict(bwd, DQ=True, **flags)),
+                     (f"dkdv atomic dQ {tag}", ba.dkdv_kernel, tiles["dkdv"],
+                      dict(bwd, ATOMIC_DQ=True, **flags)),
+                     (f"dkdv {tag}", ba.dkdv_kernel, tiles["dkdv"],
+                      dict(bwd, ATOMIC_DQ=False, **flags))]
         for label, fn, t, consts in jobs:
             if "BLOCK_M" in fn.arg_names:
                 consts = dict(consts, BLOCK_M=t.block_m, BLOCK_N=t.block_n)
@@ -234,7 +244,7 @@ def compile_check() -> list[str]:
                 if regs:
                     info = f", {regs.group(1)} registers, {spill.group(1)} bytes spilled"
                     break
-            lines.append(f"d={d} {label:17s} {t}: wgmma={'wgmma' in ptx}, "
+            lines.append(f"d={d} {label:23s} {t}: wgmma={'wgmma' in ptx}, "
                          f"shared={k.metadata.shared}{info}")
             print(lines[-1])
     return lines

@@ -4,9 +4,11 @@ The prologue's Q̂, K̂, V̂ and the backward's quantized dS tiles equal fp4stac
 for bit; outputs, lse and gradients equal fp4_attention's torch reference within the order of the
 sums. Measured on CPU with fp32 inputs over the cases below: output max abs error 7.2e-7 (max rel
 2.6e-5 where |ref| > 1e-2), lse 7.2e-7, dq/dk/dv 9.5e-7; 16-bit inputs: see
-test_backward_16bit. On CPU the kernels run under the Triton interpreter at small
-sizes with 16 x 16 tiles, so that several query and key tiles and the tails are exercised; the
-@gpu tests use the CUDA tiles and have not been run yet.
+test_backward_16bit. The ablations AttentionQuant(reuse=False) and AttentionQuant(ds=None) (fp32
+dq/dk/dv within 1.8e-6): see the tests from test_backward_operands_bit_exact on. On CPU the
+kernels run under the Triton interpreter at small sizes with 16 x 16 tiles, so that several
+query and key tiles and the tails are exercised; the @gpu tests use the CUDA tiles and have not
+been run yet.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 import fp4stack.nn.attention as attention
 from fp4stack import fake_quantize
+from fp4stack.formats.spec import QuantSpec
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention
 
 pytest.importorskip("triton")
@@ -268,8 +271,8 @@ def test_backend_choice():
         fp4_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="mask"):
         fp4_attention(q, k, v, mask=torch.ones(8, 8, dtype=torch.bool), backend="triton")
-    with pytest.raises(ValueError, match="default config"):
-        fp4_attention(q, k, v, config=AttentionQuant(reuse=False), backend="triton")
+    with pytest.raises(ValueError, match="default config, reuse=False and ds=None only"):
+        fp4_attention(q, k, v, config=AttentionQuant.only("q"), backend="triton")
     with pytest.raises(ValueError, match="head_dim"):
         fp4_attention(q[..., :8], k[..., :8], v[..., :8], backend="triton")
     # "auto" runs the kernels on CUDA tensors only: the torch reference on CPU ones, even under
@@ -286,6 +289,128 @@ def test_backend_choice():
         assert called
     finally:
         attention._TritonAttentionFn.apply = real
+
+
+# ---- the ablations: AttentionQuant(reuse=False) and AttentionQuant(ds=None) -------------------
+NOREUSE, DS_HP = AttentionQuant(reuse=False), AttentionQuant(ds=None)
+BOTH = AttentionQuant(reuse=False, ds=None)
+ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP)
+
+
+def test_backward_operands_bit_exact():
+    """reuse=False's units: Q̂, K̂, V̂ along d, Q̂ along the queries and K̂ along the keys, each
+    with its tensor's one global amax, equal the reference's quantize_along bit for bit."""
+    q, k, v = draw(2, 2, 21, 37, 32, seed=21)
+    amax = fwd_kernels.amaxes(q, k, v)
+    tile = fwd_kernels.tiles_for(q, None)["quant"]
+    units = fwd_kernels.backward_operands(q, k, v, amax, tile)
+    dec = amax * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
+    want = [(q, 0, -1), (k, 1, -1), (v, 2, -1), (q, 0, -2), (k, 1, -2)]
+    for u, (t, i, dim) in zip(units, want, strict=True):
+        assert torch.equal(u * dec[i], fq_along(t, dim, amax[i]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("S, L, d, deterministic", [(17, 21, 16, False), (33, 33, 32, True)])
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_ablation_backward_matches_reference(name, S, L, d, deterministic, causal, monkeypatch):
+    """The kernels with reuse=False or ds=None against the reference with the same config, fp32
+    inputs: as for the default config only the order of the sums differs (ds=None's raw dS enters
+    fp32 dots unrounded; the reference's stays fp32 too). Measured max abs error over these cases
+    (|grad| up to 4.6): noreuse out 7.2e-7, dq 1.4e-6, dk 1.7e-6, dv 1.1e-6; ds_hp out 7.2e-7,
+    dq 1.8e-6, dk 1.7e-6, dv 1.1e-6: within GRAD_TOL. Atomic and deterministic dQ paths, an odd
+    length (17 queries, 21 keys) and whole tiles (33 = 2 tiles + 1)."""
+    monkeypatch.setattr("fp4stack.kernels.attention_bwd.DETERMINISTIC", deterministic)
+    cfg = ABLATIONS[name]
+    q, k, v = draw(1, 2, S, L, d, seed=S * 3 + L + d)
+    do = draw(1, 2, S, 1, d, seed=S + 2)[0]
+    got = grads(q, k, v, do, causal, "triton", config=cfg)
+    assert_grads_close(got, grads(q, k, v, do, causal, "torch", config=cfg), **GRAD_TOL)
+
+
+@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH], ids=["noreuse", "ds_hp", "both"])
+def test_ablation_gqa(cfg):
+    """GQA through fp4_attention (K/V heads indexed in-kernel; the reference repeats them,
+    which changes none of K's or V's blocks along either axis), causal, with a scale. Measured
+    max abs error over the three configs: 8.1e-7."""
+    q, k, v = draw(1, 4, 17, 21, 16, seed=23)
+    k, v = k[:, :2], v[:, :2]
+    do = draw(1, 4, 17, 1, 16, seed=24)[0]
+    got = grads(q, k, v, do, True, "triton", config=cfg, scale=0.3)
+    assert_grads_close(got, grads(q, k, v, do, True, "torch", config=cfg, scale=0.3), **GRAD_TOL)
+
+
+def test_noreuse_uses_its_own_units():
+    """reuse=False multiplies dP, dQ, dK by V̂ along d, K̂ along keys, Q̂ along queries: its
+    dq, dk move away from the reuse=True kernel's far beyond the tolerance (measured max |diff|
+    0.26 for both, 22% relative Frobenius; the reference moves alike) while matching the
+    reference's reuse=False (3.6e-7); dv (Pᵀ dO, P identical) and the output do not change."""
+    q, k, v = draw(1, 2, 17, 33, 16, seed=25)
+    do = draw(1, 2, 17, 1, 16, seed=26)[0]
+    reuse = grads(q, k, v, do, False, "triton")
+    noreuse = grads(q, k, v, do, False, "triton", config=NOREUSE)
+    assert_grads_close(noreuse, grads(q, k, v, do, False, "torch", config=NOREUSE), **GRAD_TOL)
+    assert torch.equal(noreuse[0], reuse[0]) and torch.equal(noreuse[3], reuse[3])
+    for a, b in zip(noreuse[1:3], reuse[1:3], strict=True):
+        assert (a - b).abs().max() > 1e-2
+
+
+def test_ds_hp_debug_operands():
+    """ds=None: no dS amax (None), and the dK and dQ dots take the kernel's raw dS as it is
+    (fp32 inputs: no rounding), which matches the reference's dS."""
+    q, k, v = draw(1, 2, 20, 37, 16, seed=27)
+    do = draw(1, 2, 20, 1, 16, seed=28)[0]
+    amax = fwd_kernels.amaxes(q, k, v)
+    tiles = fwd_kernels.tiles_for(q, None)
+    units = fwd_kernels.quantize_operands(q, k, v, amax, tiles["quant"])
+    out, lse = fwd_kernels.forward_units(*units, amax, True, 1 / math.sqrt(16), tiles["fwd"])
+    *_, ds_amax, dbg = backward_units(do, *units, out, lse, amax, True, 1 / math.sqrt(16),
+                                      tiles, debug=True, quant_ds=False)
+    assert ds_amax is None
+    want = reference_ds(q, k, v, do, True, amax)
+    for raw, used in ((dbg[0], dbg[1]), (dbg[2], dbg[3])):
+        seen = ~torch.isnan(raw)
+        assert seen.any() and torch.equal(raw[seen], used[seen])
+        assert (want[~seen] == 0).all()
+        torch.testing.assert_close(raw[seen], want[seen], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cfg, rel", [(DS_HP, 1e-2), (BOTH, REL_BF16)], ids=["ds_hp", "both"])
+def test_ablation_bf16(cfg, rel):
+    """bf16 inputs against the reference on the same bf16 values in fp32. ds=None: dS enters its
+    dots rounded to bf16 (the reference keeps it fp32), P, O rounded as for the default config;
+    no dŜ rounding boundary to cross, so it is closer than the default config (max abs /
+    relative Frobenius error: dq 1.0e-2 / 4.3e-3, dk 1.9e-2 / 6.5e-3, dv 2.1e-2 / 5.9e-3, out
+    8.9e-3 / 4.7e-3). Both ablations: dq 5.1e-2 / 8.3e-3, dk 6.1e-2 / 1.3e-2 (the default's dŜ
+    amax shifts apply); fp16 measured <= 3.6e-2 / 5.7e-3. |grad| up to ~3.6."""
+    q, k, v = draw(1, 4, 17, 21, 32, seed=13)
+    k, v = k[:, :2], v[:, :2]
+    do = draw(1, 4, 17, 1, 32, seed=14)[0]
+    lo = [t.to(torch.bfloat16) for t in (q, k, v, do)]
+    got = grads(*lo, True, "triton", config=cfg)
+    want = grads(*[t.float() for t in lo], True, "torch", config=cfg)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        err = (a.float() - b).abs()
+        assert err.max() < 0.15, name
+        assert err.norm() / b.norm() < rel, name
+
+
+def test_triton_configs():
+    """_triton_unsupported accepts the default config and its two ablations (and both at once);
+    any other spec or flag stays on the reference, and backend="triton" says why."""
+    q, k, v = draw(1, 2, 8, 8, 16)
+    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH):
+        assert attention._triton_unsupported(q, cfg, None) == "", cfg
+    stochastic = QuantSpec(rounding="stochastic", nan_policy="propagate")
+    for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
+                AttentionQuant(dp=NVFP4_RNE), AttentionQuant(v=None, reuse=False),
+                AttentionQuant(ds=stochastic), AttentionQuant(q=QuantSpec(), ds=None),
+                AttentionQuant.off()):
+        why = attention._triton_unsupported(q, cfg, None)
+        assert "reuse=False and ds=None only" in why and cfg.describe() in why, cfg
+        with pytest.raises(ValueError, match="fp4_attention.backend='triton'.: the kernels"):
+            fp4_attention(q, k, v, config=cfg, backend="triton")
 
 
 @gpu

@@ -1,6 +1,7 @@
-"""Flash-attention-style Triton forward of NVFP4 attention (the default AttentionQuant: Q, K, V
-in NVFP4 1x16 RNE, P unquantized), matching fp4stack.nn.attention.fp4_attention; the backward is
-in attention_bwd.py.
+"""Flash-attention-style Triton forward of NVFP4 attention (Q, K, V in NVFP4 1x16 RNE, P
+unquantized: the default AttentionQuant, and also its ablations reuse=False and ds=None, whose
+forward is the same), matching fp4stack.nn.attention.fp4_attention; the backward is in
+attention_bwd.py.
 
 Two passes. A prologue (quantize_units_kernel, one program per 16-multiple row tile) quantizes
 Q and K in 16-wide blocks along d and V in 16-key blocks along the keys, once, from the global
@@ -13,7 +14,10 @@ one (batch, head) and walks the keys BLOCK_N at a time with an fp32 online softm
 grouped-query attention, query head h reads K/V head h // (H / Hkv) (no repeated copies). Key
 tiles every row of the query tile sees in full go through an unmasked loop; only the diagonal
 (causal) and the last, partial key tile pay for masks (key_range). The backward loads the same
-units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized).
+units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized); for reuse=False it gets
+backward_operands instead, the prologue's kernel run again on the raw q, k, v with the
+forward's amaxes: Q̂, K̂ along d (the forward's, bit for bit), V̂ along d, Q̂ along the queries,
+K̂ along the keys.
 
 fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P is rounded to it
 there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
@@ -274,19 +278,33 @@ def tiles_for(q: torch.Tensor, tiles: dict[str, Tile] | None) -> dict[str, Tile]
     return out
 
 
+def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile) -> torch.Tensor:
+    """Units of t [B, H, N, d] quantized with global amax amax[0] in 16-blocks along d (axis 1)
+    or along N (axis 0): contiguous, in t's dtype (fp32 stays fp32)."""
+    u = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    B, H, N, D = t.shape
+    if N:
+        quantize_units_kernel[(triton.cdiv(N, tile.block_m), B * H)](
+            t, u, amax, H, N, *t.stride(), D=D, BLOCK=tile.block_m, AXIS=axis,
+            SCALE_MAX=SCALE_MAX, num_warps=tile.num_warps, **_launch_options())
+    return u
+
+
 def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile):
     """Units of Q̂, K̂ (blocks along d) and V̂ (blocks along keys): contiguous [B, H, *, d] in the
     input dtype (fp32 stays fp32); Q̂ = units * amax[0] / 2688, and so on."""
-    outs = []
-    for i, (t, axis) in enumerate(((q, 1), (k, 1), (v, 0))):
-        u = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        B, H, N, D = t.shape
-        if N:
-            quantize_units_kernel[(triton.cdiv(N, tile.block_m), B * H)](
-                t, u, amax[i:], H, N, *t.stride(), D=D, BLOCK=tile.block_m, AXIS=axis,
-                SCALE_MAX=SCALE_MAX, num_warps=tile.num_warps, **_launch_options())
-        outs.append(u)
-    return outs
+    return [quantize_units(t, amax[i:], axis, tile)
+            for i, (t, axis) in enumerate(((q, 1), (k, 1), (v, 0)))]
+
+
+def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile):
+    """reuse=False (the ablation): the units each backward GEMM quantizes afresh along its own
+    reduction dim, from the raw q, k, v and the forward's amaxes (a tensor's global amax does
+    not depend on the axis of its blocks, so the decode factors stay the forward's):
+    (Q̂, K̂ along d: S recomputed bit for bit as in the forward; V̂ along d for dP = dO V̂ᵀ;
+    Q̂ along queries for dK = dŜᵀ Q̂; K̂ along keys for dQ = dŜ K̂)."""
+    return [quantize_units(t, amax[i:], axis, tile)
+            for t, i, axis in ((q, 0, 1), (k, 1, 1), (v, 2, 1), (q, 0, 0), (k, 1, 0))]
 
 
 def forward_units(qu, ku, vu, amax, causal: bool, scale: float, tile: Tile):

@@ -1,6 +1,17 @@
 """Flash-attention-style Triton backward of NVFP4 attention (the default AttentionQuant: the
 forward's Q̂, K̂, V̂ reused, dS in NVFP4 1x16 RNE, P and dO high precision), matching the
-backward of fp4stack.nn.attention.fp4_attention.
+backward of fp4stack.nn.attention.fp4_attention; also its two ablations, and both at once:
+
+- reuse=False (constexpr REUSE=False): each GEMM takes units quantized along its own reduction
+  dim (attention.backward_operands): S from Q̂, K̂ along d as in the forward, dP = dO V̂ᵀ with V̂
+  along d (passed where the forward's V̂ would be: the backward reads V only for dP), dK = dŜᵀ Q̂
+  with Q̂ along the queries (q_dk_ptr), dQ = dŜ K̂ with K̂ along the keys (k_dq_ptr). The decode
+  factors are the forward's: a tensor's amax does not depend on its blocks' axis.
+- ds=None (constexpr QUANT_DS=False): no dS amax pass; the dK and dQ dots take the raw dS,
+  rounded to the dot dtype as P is for dV (fp32 inputs: none; 16-bit inputs: bf16/fp16).
+
+With REUSE and QUANT_DS (the default) the extra pointers are never read and the kernels compile
+to what they were before the ablations existed (same sm_90 registers and spills).
 
 The reference quantizes dS with one global amax over the whole [B, H, S, L] dS, so dS is made
 twice: once to find that amax, once to use it. Passes, all reading the units of attention.py's
@@ -24,7 +35,8 @@ GQA: query head h reads K/V head h // G (G = H / Hkv) in every kernel; a dkdv pr
 K/V head's key tile and loops over its G query heads, so dK and dV sum over them in fp32.
 
 Dots: 2 (amax) + 5 (dkdv with atomic dQ) = 7; deterministic: 2 + 4 + 3 = 9; FlashAttention-2's
-backward does 5. Tiles start at multiples of their size (>= 16), so the 16-blocks of dS are the
+backward does 5 (ds=None drops the amax pass's 2). Tiles start at multiples of their size
+(>= 16), so the 16-blocks of dS (and of reuse=False's Q̂, K̂ along queries and keys) are the
 reference's (which zero-pads the queries or keys); padded and masked entries have P = 0 and
 dS = 0. Causal: queries are the last S of L positions (query i sees keys j <= i + L - S), and
 tiles that see nothing are skipped. dQ, dK, dV are accumulated in fp32, stored in the input dtype.
@@ -65,27 +77,46 @@ def delta_kernel(o_ptr, do_ptr, delta_ptr, R, D: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, vu_ptr, dbg_ptr, kv_base, bh, rows, lo, hi,
-                 BH, S, L, qk_scale, v_dec, ds_amax, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASK: tl.constexpr, CAUSAL: tl.constexpr, DQ: tl.constexpr,
+def ds_operand(ds, ds_amax, AXIS: tl.constexpr, QUANT_DS: tl.constexpr, DOT_TY: tl.constexpr,
+               MMA_TY: tl.constexpr, SCALE_MAX: tl.constexpr):
+    """dS as an operand of the dQ or dK dot. QUANT_DS: its NVFP4 units in 16-blocks along AXIS
+    (the dot's result times ds_amax / 2688 is dŜ's product). Else (ds=None) the raw dS rounded to
+    the dot dtype, as P is for dV: exact for fp32 inputs, bf16/fp16 rounding for 16-bit ones."""
+    if QUANT_DS:
+        x, _ = quantize_tile(ds, ds_amax, AXIS, SCALE_MAX)
+    else:
+        x = ds.to(DOT_TY)
+    return x.to(MMA_TY)
+
+
+@triton.jit
+def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr, kv_base, bh,
+                 rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                 DQ: tl.constexpr, REUSE: tl.constexpr, QUANT_DS: tl.constexpr,
                  MMA_TY: tl.constexpr, PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr,
                  DEBUG: tl.constexpr):
     """query_kernel's loop over key tiles [lo, hi); MASK: apply the causal and key-count masks."""
+    DOT_TY: tl.constexpr = ku_ptr.dtype.element_ty
     for start_n in range(lo, hi, BLOCK_N):
-        keys, key_ok, k, v, s = key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L,
-                                                qk_scale, D, BLOCK_N, MASK, CAUSAL, MMA_TY,
+        keys, key_ok, k, v, s = key_tile_scores(q, ku_ptr, v_dp_ptr, kv_base, start_n, rows, S,
+                                                L, qk_scale, D, BLOCK_N, MASK, CAUSAL, MMA_TY,
                                                 PRECISION)
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION) * v_dec
         ds = p * (dp - delta[:, None])
         if DQ:
-            units, _ = quantize_tile(ds, ds_amax, 1, SCALE_MAX)
-            acc += tl.dot(units.to(k.dtype), k, input_precision=PRECISION)
+            k_dq = k
+            if not REUSE:  # K̂ with blocks along the keys; rows past L load as zeros, as K̂ does
+                kv_off = kv_base + keys[:, None] * D + tl.arange(0, D)[None, :]
+                k_dq = tl.load(k_dq_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+            x = ds_operand(ds, ds_amax, 1, QUANT_DS, DOT_TY, MMA_TY, SCALE_MAX)  # along keys
+            acc += tl.dot(x, k_dq, input_precision=PRECISION)
             if DEBUG:
                 off = (bh.to(tl.int64) * S + rows[:, None]) * L + keys[None, :]
                 ok = (rows < S)[:, None] & key_ok[None, :]
                 tl.store(dbg_ptr + 2 * BH * S * L + off, ds, mask=ok)
-                tl.store(dbg_ptr + 3 * BH * S * L + off, units * (ds_amax * INV_RANGE), mask=ok)
+                tl.store(dbg_ptr + 3 * BH * S * L + off, x.to(tl.float32) * ds_dec, mask=ok)
         else:
             m = tl.maximum(m, tl.reduce(tl.abs(ds), 1, _max_nan))
     return m, acc
@@ -93,15 +124,17 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, vu_ptr, dbg_ptr, kv_base, bh
 
 @triton.jit
 def query_kernel(
-    qu_ptr, ku_ptr, vu_ptr, do_ptr, lse_ptr, delta_ptr, amax_ptr, partial_ptr, dq_ptr, dbg_ptr,
-    BH, S, L, G, scale,
+    qu_ptr, ku_ptr, k_dq_ptr, v_dp_ptr, do_ptr, lse_ptr, delta_ptr, amax_ptr, partial_ptr,
+    dq_ptr, dbg_ptr, BH, S, L, G, scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DQ: tl.constexpr, MMA_TY: tl.constexpr, PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr,
-    DEBUG: tl.constexpr,
+    DQ: tl.constexpr, REUSE: tl.constexpr, QUANT_DS: tl.constexpr, MMA_TY: tl.constexpr,
+    PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr, DEBUG: tl.constexpr,
 ):
-    """BLOCK_M query rows against every key tile they see. DQ=False: the rows' max |dS| into
-    partial[program]. DQ=True: dQ rows from dS quantized along the keys (amax_ptr[3]); DEBUG also
-    writes the raw dS to dbg[2] and the dequantized dŜ to dbg[3] ([4, B*H, S, L] fp32)."""
+    """BLOCK_M query rows against every key tile they see: S from the units qu, ku (blocks along
+    d), dP from v_dp. DQ=False: the rows' max |dS| into partial[program]. DQ=True: dQ rows from
+    dS (quantized along the keys with amax_ptr[3] if QUANT_DS) times the K units k_dq (REUSE: ku
+    itself, k_dq_ptr unused); DEBUG also writes the raw dS to dbg[2] and the dS operand's values
+    to dbg[3] ([4, B*H, S, L] fp32)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
@@ -116,19 +149,27 @@ def query_kernel(
     qk_scale = tl.load(amax_ptr) * INV_RANGE * k_dec * scale
     v_dec = tl.load(amax_ptr + 2) * INV_RANGE
     ds_amax = tl.load(amax_ptr + 3)
+    # Constexpr if statements (not ternaries, not `and`): what every Triton version resolves at
+    # compile time, so the default config's kernels are unchanged.
+    if QUANT_DS:  # noqa: SIM108
+        ds_dec = ds_amax * INV_RANGE
+    else:  # the raw dS is its own value: no decode factor
+        ds_dec = 1.0
     kv_base = (bh // G).to(tl.int64) * L * D  # G query heads per K/V head
     m = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     lo, hi = key_range(pid_m, S, L, BLOCK_M, BLOCK_N, CAUSAL)
     # Key tiles [0, lo) need no mask, [lo, hi) do.
-    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, vu_ptr, dbg_ptr, kv_base, bh, rows,
-                          0, lo, BH, S, L, qk_scale, v_dec, ds_amax, D, BLOCK_N, False, CAUSAL,
-                          DQ, MMA_TY, PRECISION, SCALE_MAX, DEBUG)
-    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, vu_ptr, dbg_ptr, kv_base, bh, rows,
-                          lo, hi, BH, S, L, qk_scale, v_dec, ds_amax, D, BLOCK_N, True, CAUSAL,
-                          DQ, MMA_TY, PRECISION, SCALE_MAX, DEBUG)
+    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                          kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec,
+                          D, BLOCK_N, False, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
+                          SCALE_MAX, DEBUG)
+    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                          kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec,
+                          D, BLOCK_N, True, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
+                          SCALE_MAX, DEBUG)
     if DQ:
-        dq = acc * (ds_amax * INV_RANGE * k_dec * scale)
+        dq = acc * (ds_dec * k_dec * scale)
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         tl.store(partial_ptr + bh.to(tl.int64) * tl.num_programs(0) + pid_m,
@@ -142,17 +183,20 @@ def _max_nan(a, b):  # a NaN dS makes the amax NaN, as torch's amax does
 
 @triton.jit
 def dkdv_kernel(
-    qu_ptr, ku_ptr, vu_ptr, do_ptr, lse_ptr, delta_ptr, amax_ptr, dk_ptr, dv_ptr, dq_ptr,
-    dbg_ptr, BH, S, L, G, scale,
+    qu_ptr, ku_ptr, q_dk_ptr, k_dq_ptr, v_dp_ptr, do_ptr, lse_ptr, delta_ptr, amax_ptr, dk_ptr,
+    dv_ptr, dq_ptr, dbg_ptr, BH, S, L, G, scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, MMA_TY: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_MAX: tl.constexpr, DEBUG: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, REUSE: tl.constexpr, QUANT_DS: tl.constexpr,
+    MMA_TY: tl.constexpr, PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr,
+    DEBUG: tl.constexpr,
 ):
     """dK, dV rows of BLOCK_N keys of one K/V head from every query tile of its G query heads
     that sees them, in transposed tiles [keys, queries]; the sum over the heads stays in fp32.
-    ATOMIC_DQ: also dQ (fp32, unscaled: the caller multiplies by the global factors) by atomic
-    adds. DEBUG writes raw dSᵀ to dbg[0] and dŜ along queries to dbg[1]
-    (and with ATOMIC_DQ dbg[2], dbg[3] as query_kernel does)."""
+    S from qu, ku (blocks along d), dP from v_dp, dK = dSᵀ q_dk; ATOMIC_DQ: also dQ = dS k_dq
+    (fp32, unscaled: the caller multiplies by the global factors) by atomic adds. REUSE: q_dk and
+    k_dq are qu and ku (their pointers unused). QUANT_DS: dS quantized with amax_ptr[3] (along
+    the queries for dK, the keys for dQ), else raw (ds_operand). DEBUG writes raw dSᵀ to dbg[0]
+    and the dK dot's dS operand to dbg[1] (and with ATOMIC_DQ dbg[2], dbg[3] as query_kernel)."""
     pid_n, kvh = tl.program_id(0), tl.program_id(1)
     DOT_TY: tl.constexpr = qu_ptr.dtype.element_ty
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,12 +204,19 @@ def dkdv_kernel(
     key_ok = keys < L
     kv_off = (kvh.to(tl.int64) * L + keys[:, None]) * D + cols[None, :]
     k = tl.load(ku_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-    v = tl.load(vu_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+    v = tl.load(v_dp_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+    k_dq = k
+    if ATOMIC_DQ:  # noqa: SIM102 (constexpr ifs, see query_kernel)
+        if not REUSE:  # K̂ with blocks along the keys (dQ's reduction dim)
+            k_dq = tl.load(k_dq_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
     q_dec = tl.load(amax_ptr) * INV_RANGE
     qk_scale = q_dec * (tl.load(amax_ptr + 1) * INV_RANGE) * scale
     v_dec = tl.load(amax_ptr + 2) * INV_RANGE
     ds_amax = tl.load(amax_ptr + 3)
-    ds_dec = ds_amax * INV_RANGE
+    if QUANT_DS:  # noqa: SIM108
+        ds_dec = ds_amax * INV_RANGE
+    else:  # the raw dS is its own value: no decode factor
+        ds_dec = 1.0
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     lo = 0
@@ -189,20 +240,24 @@ def dkdv_kernel(
             dv += tl.dot(pt.to(DOT_TY).to(MMA_TY), do, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION) * v_dec
             dst = pt * (dpt - delta[None, :])
-            units, _ = quantize_tile(dst, ds_amax, 1, SCALE_MAX)  # 16-blocks along the queries
-            dk += tl.dot(units.to(q.dtype), q, input_precision=PRECISION)
+            q_dk = q
+            if not REUSE:  # Q̂ with blocks along the queries (dK's reduction dim)
+                q_dk = tl.load(q_dk_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
+            x = ds_operand(dst, ds_amax, 1, QUANT_DS, DOT_TY, MMA_TY, SCALE_MAX)  # along queries
+            dk += tl.dot(x, q_dk, input_precision=PRECISION)
             if ATOMIC_DQ:
-                units_k, _ = quantize_tile(dst, ds_amax, 0, SCALE_MAX)  # along the keys
-                dq = tl.dot(tl.trans(units_k.to(k.dtype)), k, input_precision=PRECISION)
+                x_k = ds_operand(dst, ds_amax, 0, QUANT_DS, DOT_TY, MMA_TY, SCALE_MAX)  # keys
+                dq = tl.dot(tl.trans(x_k), k_dq, input_precision=PRECISION)
                 tl.atomic_add(dq_ptr + q_off, dq, mask=row_ok[:, None], sem="relaxed")
             if DEBUG:
                 off = (q_base + rows[None, :]) * L + keys[:, None]
                 ok = row_ok[None, :] & key_ok[:, None]
                 tl.store(dbg_ptr + off, dst, mask=ok)
-                tl.store(dbg_ptr + BH * S * L + off, units * ds_dec, mask=ok)
+                tl.store(dbg_ptr + BH * S * L + off, x.to(tl.float32) * ds_dec, mask=ok)
                 if ATOMIC_DQ:
                     tl.store(dbg_ptr + 2 * BH * S * L + off, dst, mask=ok)
-                    tl.store(dbg_ptr + 3 * BH * S * L + off, units_k * ds_dec, mask=ok)
+                    tl.store(dbg_ptr + 3 * BH * S * L + off, x_k.to(tl.float32) * ds_dec,
+                             mask=ok)
     dk = dk * (ds_dec * q_dec * scale)
     tl.store(dk_ptr + kv_off, dk.to(dk_ptr.dtype.element_ty), mask=key_ok[:, None])
     tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None])
@@ -210,15 +265,25 @@ def dkdv_kernel(
 
 def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
                    tiles: dict[str, Tile], deterministic: bool | None = None,
-                   debug: bool = False):
+                   debug: bool = False, *, q_dk=None, k_dq=None, quant_ds: bool = True):
     """(dq, dk, dv, ds_amax, dbg) for the units, output and lse of attention.forward_units.
 
-    do [B, H, S, d] is made contiguous. ds_amax is the 0-d global amax of dS. dbg (debug=True,
-    else None) is [4, B, H, S, L] fp32: the raw dS the dK pass quantized, dŜ along queries, the
-    raw dS the dQ pass quantized, dŜ along keys; tiles no program visited stay NaN.
-    deterministic: a dQ pass of its own instead of atomic adds (None: DETERMINISTIC).
+    qu, ku: Q̂, K̂ with blocks along d (S is recomputed from them); vu: the V̂ of dP = dO V̂ᵀ.
+    Tensor reuse (q_dk, k_dq None): vu is the forward's (blocks along keys) and dK, dQ multiply
+    by qu, ku. reuse=False: vu has blocks along d, q_dk (blocks along queries) and k_dq (along
+    keys) are given, all from attention.backward_operands. quant_ds False (ds=None): dS enters
+    the dK and dQ dots unquantized (rounded to the dot dtype), there is no amax pass and ds_amax
+    is None. do [B, H, S, d] is made contiguous. dbg (debug=True, else None) is
+    [4, B, H, S, L] fp32: the raw dS the dK pass used, its dK operand's values (dŜ along queries),
+    the raw dS the dQ pass used, its dQ operand's values (dŜ along keys); tiles no program
+    visited stay NaN. deterministic: a dQ pass of its own instead of atomic adds (None:
+    DETERMINISTIC).
     """
     deterministic = DETERMINISTIC if deterministic is None else deterministic
+    reuse = q_dk is None and k_dq is None
+    if not reuse and (q_dk is None or k_dq is None):
+        raise ValueError("reuse=False needs both q_dk and k_dq")
+    q_dk, k_dq = (qu, ku) if reuse else (q_dk, k_dq)  # unused by the kernels under reuse
     B, H, S, D = qu.shape
     Hkv, L = ku.shape[1], ku.shape[2]
     G = H // Hkv
@@ -226,39 +291,46 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     do = do.contiguous()
     dk, dv = torch.zeros_like(ku), torch.zeros_like(vu)
     if not (S and L):
-        return torch.zeros_like(qu), dk, dv, torch.zeros((), device=dev), None
+        ds_amax = torch.zeros((), device=dev) if quant_ds else None
+        return torch.zeros_like(qu), dk, dv, ds_amax, None
     opts = _launch_options()
     mma_ty, precision = mma_type(qu.dtype)
-    common = dict(D=D, CAUSAL=causal, MMA_TY=mma_ty, PRECISION=precision)
+    common = dict(D=D, CAUSAL=causal, REUSE=reuse, QUANT_DS=quant_ds, MMA_TY=mma_ty,
+                  PRECISION=precision, SCALE_MAX=SCALE_MAX, **opts)
     delta = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     delta_kernel[(triton.cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
                                                  **opts)
-    t = tiles["amax"]
-    grid = (triton.cdiv(S, t.block_m), B * H)
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
-    amax4 = torch.cat([amax, amax[:1]])  # slot 3 (dS) unused by the amax pass
-    query_kernel[grid](qu, ku, vu, do, lse, delta, amax4, partial, partial, partial,
-                       B * H, S, L, G, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, DQ=False,
-                       SCALE_MAX=SCALE_MAX, DEBUG=False, **common, num_warps=t.num_warps,
-                       num_stages=t.num_stages, **opts)
-    ds_amax = partial.amax()
-    amax4 = torch.cat([amax, ds_amax.reshape(1)])
-    dbg = torch.full((4, B, H, S, L), float("nan"), device=dev) if debug else partial
+    if quant_ds:  # the global amax of dS, before any dS is quantized
+        t = tiles["amax"]
+        grid = (triton.cdiv(S, t.block_m), B * H)
+        partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+        amax4 = torch.cat([amax, amax[:1]])  # slot 3 (dS) unused by the amax pass
+        query_kernel[grid](qu, ku, k_dq, vu, do, lse, delta, amax4, partial, partial, partial,
+                           B * H, S, L, G, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                           DQ=False, DEBUG=False, **common, num_warps=t.num_warps,
+                           num_stages=t.num_stages)
+        ds_amax = partial.amax()
+        amax4 = torch.cat([amax, ds_amax.reshape(1)])
+    else:  # slot 3 is never read
+        ds_amax, amax4 = None, torch.cat([amax, amax[:1]])
+    dbg = torch.full((4, B, H, S, L), float("nan"), device=dev) if debug else amax4
     dq_acc = torch.zeros((B, H, S, D), dtype=torch.float32, device=dev) if not deterministic \
-        else partial
+        else amax4
     t = tiles["dkdv"]
     dkdv_kernel[(triton.cdiv(L, t.block_n), B * Hkv)](
-        qu, ku, vu, do, lse, delta, amax4, dk, dv, dq_acc, dbg, B * H, S, L, G, scale,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, ATOMIC_DQ=not deterministic, SCALE_MAX=SCALE_MAX,
-        DEBUG=debug, **common, num_warps=t.num_warps, num_stages=t.num_stages, **opts)
+        qu, ku, q_dk, k_dq, vu, do, lse, delta, amax4, dk, dv, dq_acc, dbg, B * H, S, L, G,
+        scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, ATOMIC_DQ=not deterministic, DEBUG=debug,
+        **common, num_warps=t.num_warps, num_stages=t.num_stages)
     if deterministic:
         dq = torch.empty_like(qu)
         t = tiles["dq"]
         query_kernel[(triton.cdiv(S, t.block_m), B * H)](
-            qu, ku, vu, do, lse, delta, amax4, partial, dq, dbg, B * H, S, L, G, scale,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, DQ=True, SCALE_MAX=SCALE_MAX, DEBUG=debug,
-            **common, num_warps=t.num_warps, num_stages=t.num_stages, **opts)
+            qu, ku, k_dq, vu, do, lse, delta, amax4, amax4, dq, dbg, B * H, S, L, G, scale,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, DQ=True, DEBUG=debug, **common,
+            num_warps=t.num_warps, num_stages=t.num_stages)
     else:  # the global factors, as query_kernel applies them
-        factor = ds_amax * (1.0 / (SCALE_MAX * 6.0)) * (amax[1] * (1.0 / (SCALE_MAX * 6.0)))
+        factor = amax[1] * (1.0 / (SCALE_MAX * 6.0))
+        if quant_ds:
+            factor = ds_amax * (1.0 / (SCALE_MAX * 6.0)) * factor
         dq = (dq_acc * (factor * scale)).to(qu.dtype)
     return dq, dk, dv, ds_amax, (dbg if debug else None)

@@ -40,10 +40,13 @@ with zeros, which change neither a block's max nor the global amax and add nothi
 and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute nothing either.
 
 Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
-attention_bwd (backward) for CUDA tensors when the config is the default, mask is None, head_dim
+attention_bwd (backward) for CUDA tensors when the config is the default or one of its ablations
+AttentionQuant(reuse=False), AttentionQuant(ds=None) (or both at once), mask is None, head_dim
 is 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
-same quantized values (bit-exact tiles) and sums in another order. Everything else, and CPU
-tensors, run this module's torch reference (backend="torch" forces it).
+same quantized values (bit-exact tiles) and sums in another order (ds=None with 16-bit inputs:
+dS is rounded to that dtype for its dots, where the reference keeps fp32). Everything else (p or
+dp quantized, q, k or v not, other specs such as stochastic rounding), and CPU tensors, run this
+module's torch reference (backend="torch" forces it).
 
 Causality caveat: V's blocks run along keys, so a past token's V̂ shares its block scale with up to
 15 later tokens, and every quantizer's global amax spans all positions. Masked keys still get zero
@@ -53,7 +56,7 @@ weight and zero gradient, but a future token can nudge the quantized values of p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -242,8 +245,9 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     backend: "torch" this module's reference; "triton" the flash kernels of
     fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
-    the default config with mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16
-    inputs; on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1).
+    the default config and AttentionQuant(reuse=False) and/or (ds=None), with mask None,
+    head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU tensors only under the
+    Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config
     if not isinstance(config, AttentionQuant):
@@ -264,7 +268,9 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if backend == "triton" and why_not:
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
     if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
-        return _TritonAttentionFn.apply(q, k, v, causal, scale)  # GQA heads indexed in-kernel
+        # GQA heads indexed in-kernel
+        return _TritonAttentionFn.apply(q, k, v, causal, scale, config.reuse,
+                                        config.ds is not None)
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
@@ -279,8 +285,12 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
     """Why the Triton kernels do not apply ("" when they do)."""
     from ..kernels import available
 
-    if config != AttentionQuant.paper():
-        return f"the kernels compute the default config only, got {config.describe()}"
+    # The kernels compute the method's config and its two ablations (and both at once): the
+    # paper's specs, with reuse=False and/or ds=None. Other specs stay on the reference.
+    if config.ds not in (None, NVFP4_RNE) or \
+            replace(config, reuse=True, ds=NVFP4_RNE) != AttentionQuant.paper():
+        return ("the kernels compute the default config, reuse=False and ds=None only, got "
+                f"{config.describe()}")
     if mask is not None:
         return "the kernels take no mask (causal or none only)"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -297,29 +307,44 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
 
 
 class _TritonAttentionFn(torch.autograd.Function):
-    """The flash kernels: the forward saves the units of Q̂, K̂, V̂ (tensor reuse), O and lse."""
+    """The flash kernels. reuse=True saves the forward's units of Q̂, K̂, V̂ (tensor reuse);
+    reuse=False saves the raw q, k, v instead, as the reference does, and the backward
+    re-quantizes them along each GEMM's reduction dim (attention.backward_operands): the same
+    saved memory as reuse=True, at the price of five quantize passes in the backward (cheap next
+    to attention; the backward then holds five units tensors while it runs, not three), rather
+    than computing them in the forward and saving five units tensors (two more than reuse=True)
+    for as long as the graph lives. Both save O, lse and the amaxes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
+    def forward(ctx, q, k, v, causal: bool, scale: float, reuse: bool, quant_ds: bool):
         from ..kernels import attention as kernel
 
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
         units = kernel.quantize_operands(q, k, v, amax, tiles["quant"])
         out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
-        ctx.save_for_backward(*units, out, lse, amax)
+        ctx.save_for_backward(*(units if reuse else (q, k, v)), out, lse, amax)
         ctx.causal, ctx.scale, ctx.tiles = causal, scale, tiles
+        ctx.reuse, ctx.quant_ds = reuse, quant_ds
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
+        from ..kernels import attention as kernel
         from ..kernels.attention_bwd import backward_units
 
-        qu, ku, vu, out, lse, amax = ctx.saved_tensors
+        a, b, c, out, lse, amax = ctx.saved_tensors
+        alt = {}
+        if ctx.reuse:
+            qu, ku, vu = a, b, c
+        else:  # Q̂, K̂ along d (S bit for bit), V̂ along d, Q̂ along queries, K̂ along keys
+            qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
+                a, b, c, amax, ctx.tiles["quant"])
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
-                                          ctx.causal, ctx.scale, ctx.tiles)
-        return dq, dk, dv, None, None
+                                          ctx.causal, ctx.scale, ctx.tiles,
+                                          quant_ds=ctx.quant_ds, **alt)
+        return dq, dk, dv, None, None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -172,19 +172,12 @@ def compile_check() -> list[str]:
     """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles; the backward also in
     the variants of the ablations reuse=False and ds=None) without a GPU; report ptxas's
     registers and spills when a ptxas that reads Triton's PTX is at hand."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from fp4stack.kernels import attention as fa
     from fp4stack.kernels import attention_bwd as ba
+    from fp4stack.kernels.hopper import compile_sm90
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     lines = []
     for d in (64, 128):
         tiles = fa.default_tiles(d)
@@ -214,38 +207,12 @@ def compile_check() -> list[str]:
         for label, fn, t, consts in jobs:
             if "BLOCK_M" in fn.arg_names:
                 consts = dict(consts, BLOCK_M=t.block_m, BLOCK_N=t.block_n)
-            sig = {}
-            for n in fn.arg_names:
-                if n in consts:
-                    sig[n] = "constexpr"
-                elif n in FP32_PTRS or (n == "dq_ptr" and fn is ba.dkdv_kernel):
-                    sig[n] = "*fp32"
-                elif n.endswith("_ptr"):
-                    sig[n] = "*bf16"
-                else:
-                    sig[n] = "fp32" if n == "scale" else "i32"
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=t.num_warps, num_stages=t.num_stages,
-                                            enable_fp_fusion=False))
-            ptx = k.asm["ptx"]
-            info = ""
-            for exe in ("ptxas-blackwell", "ptxas"):
-                path = os.path.join(bindir, exe)
-                if not os.path.exists(path):
-                    continue
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-                    fh.write(ptx)
-                r = subprocess.run([path, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull],
-                                   capture_output=True, text=True)
-                os.unlink(fh.name)
-                regs = re.search(r"Used (\d+) registers", r.stderr)
-                spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-                if regs:
-                    info = f", {regs.group(1)} registers, {spill.group(1)} bytes spilled"
-                    break
-            lines.append(f"d={d} {label:23s} {t}: wgmma={'wgmma' in ptx}, "
-                         f"shared={k.metadata.shared}{info}")
+            types = {n: "*fp32" if n in FP32_PTRS or (n == "dq_ptr" and fn is ba.dkdv_kernel)
+                     else "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+            types["scale"] = "fp32"
+            build = compile_sm90(fn, types, consts, num_warps=t.num_warps,
+                                 num_stages=t.num_stages)
+            lines.append(f"d={d} {label:23s} {t}: {build.describe()}")
             print(lines[-1])
     return lines
 

@@ -10,6 +10,7 @@ of a few parameters ("fused == reference"). On the CPU the fused step runs only 
 interpreter (TRITON_INTERPRET=1, very slow: use a small --params); otherwise its row is skipped.
 
     python benchmarks/bench_optim.py [--params 100e6] [--device cuda] [--out results.json]
+    python benchmarks/bench_optim.py --compile-check   # sm_90 compile + ptxas registers, no GPU
 """
 
 from __future__ import annotations
@@ -85,6 +86,27 @@ def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) ->
     return same
 
 
+def compile_check() -> list[str]:
+    """Compile the fused AdamW4 step's passes for sm_90 without a GPU (with and without weight
+    decay and the KEEP_FP32 variant); report ptxas's registers and spills where it can."""
+    from fp4stack.kernels.hopper import compile_sm90
+
+    lines = []
+    for keep in (False, True):
+        for pass_ in range(4):
+            for decay in ((True, False) if pass_ == 0 else (False,)):
+                types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64",
+                             scratch_ptr="*fp64", vnew_ptr="*u8",
+                             keep_ptr="*fp32" if keep else "*fp64", seed_hash="i32", step="i32")
+                consts = dict(PASS=pass_, DECAY=decay, BM=kernels.BM, KB=kernels.KB, KEEP=keep)
+                build = compile_sm90(kernels.adamw4_kernel, types, consts,
+                                     num_warps=kernels.NUM_WARPS, default="fp32")
+                lines.append(f"adamw4 pass {pass_} decay={decay} keep_fp32={keep}: "
+                             f"{build.describe()}")
+                print(lines[-1])
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=100e6, help="total parameters (default 100M)")
@@ -92,7 +114,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--compile-check", action="store_true",
+                   help="only compile the fused AdamW4 kernel for sm_90 (no GPU needed)")
     args = p.parse_args()
+    if args.compile_check:
+        compile_check()
+        return
     device = torch.device(args.device)
     shapes = gpt_shapes(args.params, args.dim)
     params = [torch.nn.Parameter(torch.randn(r, c, device=device) * 0.02) for r, c in shapes]

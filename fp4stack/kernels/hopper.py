@@ -1,0 +1,93 @@
+"""Compile Triton kernels for Hopper (sm_90) without a GPU, and read ptxas's resource report.
+
+CI machines have no GPU: the kernels' tests run under the Triton interpreter, which checks the
+maths but not whether the code compiles for the real target (a construct the interpreter accepts
+can fail in the compiler, and register spills only show there). `compile_sm90` runs Triton's
+compiler for sm_90 from the kernel's source; `ptxas_report` assembles the PTX with a ptxas shipped
+in Triton's wheel, when one reads that PTX version, for registers and spill bytes.
+
+Needs a process without TRITON_INTERPRET=1 (under the interpreter `triton.jit` returns
+interpreted functions that cannot be compiled): the benchmarks' `--compile-check` and
+tests/test_hopper_compile.py start one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from .nvfp4 import _launch_options
+
+
+@dataclass(frozen=True)
+class HopperBuild:
+    """What compiling one kernel variant for sm_90 gave."""
+
+    ptx: str
+    shared_bytes: int
+    registers: int | None  # None: no ptxas at hand reads this PTX
+    spilled_bytes: int | None
+
+    @property
+    def uses_wgmma(self) -> bool:
+        return "wgmma" in self.ptx
+
+    def describe(self) -> str:
+        regs = ("" if self.registers is None
+                else f", {self.registers} registers, {self.spilled_bytes} bytes spilled")
+        return f"wgmma={self.uses_wgmma}, shared={self.shared_bytes}{regs}"
+
+
+def signature(fn, constexprs: dict, types: dict[str, str], default: str = "i32") -> dict:
+    """Triton's signature dict for `fn`: constexpr for the names in `constexprs`, `types[name]`
+    for the others (e.g. "*bf16", "fp32"), `default` where not named."""
+    return {n: "constexpr" if n in constexprs else types.get(n, default) for n in fn.arg_names}
+
+
+def compile_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int = 4,
+                 num_stages: int | None = None, default: str = "i32") -> HopperBuild:
+    """Compile the @triton.jit `fn` for sm_90 with fp4stack's exact-float options (no FMA
+    contraction, subnormals kept), as its launches do, and report what it needs. num_stages
+    None: Triton's default."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_sm90 needs a process without TRITON_INTERPRET=1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature=signature(fn, constexprs, types, default),
+                    constexprs=constexprs)
+    options = dict(num_warps=num_warps, **_launch_options())
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = kernel.asm["ptx"]
+    registers, spilled = ptxas_report(ptx)
+    return HopperBuild(ptx, kernel.metadata.shared, registers, spilled)
+
+
+def ptxas_report(ptx: str) -> tuple[int | None, int | None]:
+    """(registers, spill-store bytes) of the PTX for sm_90a, from the first ptxas in Triton's
+    wheel that accepts it; (None, None) when none does."""
+    import triton
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for exe in ("ptxas-blackwell", "ptxas"):
+        path = os.path.join(bindir, exe)
+        if not os.path.exists(path):
+            continue
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+            fh.write(ptx)
+        try:
+            r = subprocess.run([path, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull],
+                               capture_output=True, text=True, check=False)
+        finally:
+            os.unlink(fh.name)
+        regs = re.search(r"Used (\d+) registers", r.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+        if regs:
+            return int(regs.group(1)), int(spill.group(1)) if spill else 0
+    return None, None

@@ -152,6 +152,19 @@ def key_range(pid_m, S, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL:
 
 
 @triton.jit
+def score_factors(amax_ptr, scale):
+    """(q_dec, k_dec, qk_scale, v_dec) from the global amaxes [q, k, v]: each tensor's decode
+    factor amax / (6 * 448), and the one applied to Q̂ K̂ᵀ dots with the softmax scale. Every
+    kernel takes them from here, computed in one order, so the backward's P is the forward's
+    bit for bit."""
+    q_dec = tl.load(amax_ptr) * INV_RANGE
+    k_dec = tl.load(amax_ptr + 1) * INV_RANGE
+    qk_scale = q_dec * k_dec * scale
+    v_dec = tl.load(amax_ptr + 2) * INV_RANGE
+    return q_dec, k_dec, qk_scale, v_dec
+
+
+@triton.jit
 def key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L, qk_scale,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                     CAUSAL: tl.constexpr, MMA_TY: tl.constexpr, PRECISION: tl.constexpr):
@@ -211,8 +224,7 @@ def attention_fwd_kernel(
     row_ok = rows < S
     q_off = (bh.to(tl.int64) * S + rows[:, None]) * D + cols[None, :]
     q = tl.load(qu_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
-    qk_scale = tl.load(amax_ptr) * INV_RANGE * (tl.load(amax_ptr + 1) * INV_RANGE) * scale
-    v_dec = tl.load(amax_ptr + 2) * INV_RANGE
+    _, _, qk_scale, v_dec = score_factors(amax_ptr, scale)
     kv_base = (bh // G).to(tl.int64) * L * D
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)

@@ -59,6 +59,7 @@ from .attention import (
     key_tile_scores,
     mma_type,
     quantize_tile,
+    score_factors,
 )
 from .nvfp4 import _launch_options
 
@@ -74,6 +75,20 @@ def delta_kernel(o_ptr, do_ptr, delta_ptr, R, D: tl.constexpr, BLOCK: tl.constex
     o = tl.load(o_ptr + off, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(do_ptr + off, mask=ok[:, None], other=0.0).to(tl.float32)
     tl.store(delta_ptr + rows, tl.sum(o * do, 1), mask=ok)
+
+
+@triton.jit
+def ds_factors(amax_ptr, QUANT_DS: tl.constexpr):
+    """(ds_amax, ds_dec) from amax_ptr[3]: dS's global amax and the decode factor of its
+    quantized operand; ds=None (not QUANT_DS): the raw dS is its own value, factor 1."""
+    ds_amax = tl.load(amax_ptr + 3)
+    # A constexpr if statement (not a ternary): what every Triton version resolves at compile
+    # time, so the default config's kernels are unchanged.
+    if QUANT_DS:  # noqa: SIM108
+        ds_dec = ds_amax * INV_RANGE
+    else:
+        ds_dec = 1.0
+    return ds_amax, ds_dec
 
 
 @triton.jit
@@ -145,16 +160,8 @@ def query_kernel(
     # Padded rows: lse +inf gives P = 0 there, hence dS = 0.
     lse = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
-    k_dec = tl.load(amax_ptr + 1) * INV_RANGE
-    qk_scale = tl.load(amax_ptr) * INV_RANGE * k_dec * scale
-    v_dec = tl.load(amax_ptr + 2) * INV_RANGE
-    ds_amax = tl.load(amax_ptr + 3)
-    # Constexpr if statements (not ternaries, not `and`): what every Triton version resolves at
-    # compile time, so the default config's kernels are unchanged.
-    if QUANT_DS:  # noqa: SIM108
-        ds_dec = ds_amax * INV_RANGE
-    else:  # the raw dS is its own value: no decode factor
-        ds_dec = 1.0
+    _, k_dec, qk_scale, v_dec = score_factors(amax_ptr, scale)
+    ds_amax, ds_dec = ds_factors(amax_ptr, QUANT_DS)
     kv_base = (bh // G).to(tl.int64) * L * D  # G query heads per K/V head
     m = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -206,17 +213,11 @@ def dkdv_kernel(
     k = tl.load(ku_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
     v = tl.load(v_dp_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
     k_dq = k
-    if ATOMIC_DQ:  # noqa: SIM102 (constexpr ifs, see query_kernel)
+    if ATOMIC_DQ:  # noqa: SIM102 (constexpr ifs, see ds_factors)
         if not REUSE:  # K̂ with blocks along the keys (dQ's reduction dim)
             k_dq = tl.load(k_dq_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-    q_dec = tl.load(amax_ptr) * INV_RANGE
-    qk_scale = q_dec * (tl.load(amax_ptr + 1) * INV_RANGE) * scale
-    v_dec = tl.load(amax_ptr + 2) * INV_RANGE
-    ds_amax = tl.load(amax_ptr + 3)
-    if QUANT_DS:  # noqa: SIM108
-        ds_dec = ds_amax * INV_RANGE
-    else:  # the raw dS is its own value: no decode factor
-        ds_dec = 1.0
+    q_dec, _, qk_scale, v_dec = score_factors(amax_ptr, scale)
+    ds_amax, ds_dec = ds_factors(amax_ptr, QUANT_DS)
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     lo = 0

@@ -251,3 +251,28 @@ def test_overfits_one_batch(kind):
         loss.backward()
         opt.step()
     assert loss.item() < 0.1 * first  # ~5.5 -> ~0.005 in practice
+
+
+def test_a_trained_moe_gpt_can_be_copied_and_pickled():
+    # After a training forward the aux losses hang on the graph; copies (the RL trainer's KL
+    # reference model) and pickles must not carry them.
+    import copy
+    import io
+    import pickle
+
+    model = GPT(GPTConfig.tiny_moe())
+    idx = torch.randint(0, 256, (2, 16))
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert model.aux_loss is not None and model.aux_loss.grad_fn is not None
+    twin = copy.deepcopy(model)
+    assert twin.aux_loss is None
+    assert all(m.aux_loss is None for m in twin.modules() if isinstance(m, MoEBlock))
+    assert model.aux_loss is not None  # the original keeps its last forward's value
+    twin2 = pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    for other in (twin, twin2):
+        for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(other(idx)[0], model(idx)[0])

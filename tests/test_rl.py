@@ -253,3 +253,11 @@ def test_time_limit_ends_with_a_whole_step_and_a_final_evaluation(tmp_path):
 def test_time_limit_must_be_a_number():
     with pytest.raises(ValueError, match="max_minutes"):
         RLConfig(max_minutes="5m")
+
+
+def test_kl_reference_after_a_fresh_sft_warm_up(tmp_path):
+    # The KL reference is a copy of the policy made right after an in-process SFT warm-up,
+    # whose last forward left graph-attached aux losses on the MoE blocks.
+    cfg = tiny_config(tmp_path, kl_coef=0.1, sft_steps=3, steps=1, eval_every=0)
+    result = run_rl(cfg, log=lambda *a: None)
+    assert result["steps"] == 1

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn.moe import Experts, MoEBlock, load_balance_loss, record_routing, replay_routing
+from ..nn.moe import (
+    Experts,
+    KeepsAuxLoss,
+    MoEBlock,
+    load_balance_loss,
+    record_routing,
+    replay_routing,
+)
 
 
 @dataclass
@@ -285,7 +292,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
 
-class GPT(nn.Module):
+class GPT(KeepsAuxLoss):
     """Decoder-only LM. forward(idx [B, S], targets [B, S] | None) -> (logits [B, S, V], loss)."""
 
     def __init__(self, config: GPTConfig):

@@ -121,7 +121,16 @@ class Experts(nn.Module):
         return out.to(x.dtype)
 
 
-class MoEBlock(nn.Module):
+class KeepsAuxLoss(nn.Module):
+    """A module that leaves its last forward's aux loss in `aux_loss`: that tensor hangs on the
+    forward's graph, so it is not state. Copies and pickles get None instead (deepcopy refuses
+    non-leaf tensors, and a pickle would drag the graph along)."""
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "aux_loss": None}
+
+
+class MoEBlock(KeepsAuxLoss):
     """Router + Experts. forward(x [..., D]) -> y [..., D]; the aux loss is left in `aux_loss`.
 
     Routing replay: set `replay_indices` (shape [..., k] matching x's leading dims, e.g. from

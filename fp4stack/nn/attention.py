@@ -364,12 +364,13 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def use_fp4_attention(model, config: AttentionQuant | None = None):
+def use_fp4_attention(model, config: AttentionQuant | None = None, backend: str = "auto"):
     """Make every attention block of an fp4stack GPT compute fp4_attention; returns `model`.
 
     Overrides each block's `Attention.attend` on the instance: mask None is causal attention
     (q the last S of L positions); the left-padding mask the GPT passes ([B, 1, S, L], already
-    holding causality) is used as given. GQA heads are repeated as the original does.
+    holding causality) is used as given. GQA heads are repeated as the original does. backend:
+    fp4_attention's (auto: the Triton kernels for CUDA tensors where they apply).
     """
     from ..models.gpt import Attention
 
@@ -379,15 +380,18 @@ def use_fp4_attention(model, config: AttentionQuant | None = None):
     blocks = [m for m in model.modules() if isinstance(m, Attention)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no fp4stack Attention block")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     for attn in blocks:
-        attn.attend = make_attend(config)
+        attn.attend = make_attend(config, backend)
     return model
 
 
-def make_attend(config: AttentionQuant):
-    """An `Attention.attend` replacement computing fp4_attention with `config`."""
+def make_attend(config: AttentionQuant, backend: str = "auto"):
+    """An `Attention.attend` replacement computing fp4_attention with `config` and `backend`."""
 
     def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        return fp4_attention(q, k, v, causal=mask is None, config=config, mask=mask)
+        return fp4_attention(q, k, v, causal=mask is None, config=config, mask=mask,
+                             backend=backend)
 
     return attend

@@ -165,6 +165,18 @@ def score_factors(amax_ptr, scale):
 
 
 @triton.jit
+def query_tile(qu_ptr, bh, pid_m, S, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               MMA_TY: tl.constexpr):
+    """(rows, row_ok, q_off, q): query tile pid_m of (batch, head) bh in the contiguous
+    [B*H, S, D] layout, rows past S loaded as zeros; the forward and the backward read Q̂ here."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S
+    q_off = (bh.to(tl.int64) * S + rows[:, None]) * D + tl.arange(0, D)[None, :]
+    q = tl.load(qu_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
+    return rows, row_ok, q_off, q
+
+
+@triton.jit
 def key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L, qk_scale,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                     CAUSAL: tl.constexpr, MMA_TY: tl.constexpr, PRECISION: tl.constexpr):
@@ -219,11 +231,7 @@ def attention_fwd_kernel(
     """Output rows [BLOCK_M, D] (contiguous o [B*H, S, D]) and their log-sum-exp, from units.
     G query heads share a K/V head (grouped-query attention): K/V units are [B*H/G, L, D]."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, D)
-    row_ok = rows < S
-    q_off = (bh.to(tl.int64) * S + rows[:, None]) * D + cols[None, :]
-    q = tl.load(qu_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
+    rows, row_ok, q_off, q = query_tile(qu_ptr, bh, pid_m, S, D, BLOCK_M, MMA_TY)
     _, _, qk_scale, v_dec = score_factors(amax_ptr, scale)
     kv_base = (bh // G).to(tl.int64) * L * D
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)

@@ -59,6 +59,7 @@ from .attention import (
     key_tile_scores,
     mma_type,
     quantize_tile,
+    query_tile,
     score_factors,
 )
 from .nvfp4 import _launch_options
@@ -151,11 +152,7 @@ def query_kernel(
     itself, k_dq_ptr unused); DEBUG also writes the raw dS to dbg[2] and the dS operand's values
     to dbg[3] ([4, B*H, S, L] fp32)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, D)
-    row_ok = rows < S
-    q_off = (bh.to(tl.int64) * S + rows[:, None]) * D + cols[None, :]
-    q = tl.load(qu_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
+    rows, row_ok, q_off, q = query_tile(qu_ptr, bh, pid_m, S, D, BLOCK_M, MMA_TY)
     do = tl.load(do_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
     # Padded rows: lse +inf gives P = 0 there, hence dS = 0.
     lse = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))

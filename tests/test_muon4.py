@@ -509,3 +509,34 @@ def test_bad_params_and_state_dicts():
     other = Muon4([nn.Parameter(torch.zeros(16, 16))], adamw_params=[nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="AdamW"):
         opt.load_state_dict(other.state_dict())
+
+
+def test_graphed_newton_schulz_off_cuda_is_the_eager_call():
+    g = torch.randn(24, 40, generator=torch.Generator().manual_seed(3))
+    graphed = ns.GraphedNewtonSchulz()
+    for spec in (None, NS_SPEC):
+        assert torch.equal(graphed(g, 5, spec, dtype=torch.float32),
+                           newton_schulz(g, 5, spec, dtype=torch.float32))
+    assert not graphed._graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantize", [True, False])
+def test_cuda_graphs_step_equals_eager_step(quantize):
+    """Muon4 with Newton-Schulz replayed from CUDA graphs gives the eager step's bits, over
+    several shapes (one graph each, sharing a pool) and steps."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(64, 64), (192, 64), (64, 192), (64, 64)]
+    init = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+    runs = []
+    for graphs in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = Muon4(params, lr=0.02, quantize=quantize, cuda_graphs=graphs)
+        for step in range(3):
+            g = torch.Generator(device="cuda").manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-2
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -26,7 +26,7 @@ from ..formats.random import lowbias32_int
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from .adamw4 import AdamW4
-from .newton_schulz import _NS_DTYPES, NS_SPEC, newton_schulz
+from .newton_schulz import _NS_DTYPES, NS_SPEC, GraphedNewtonSchulz, newton_schulz
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 _ROUNDINGS = ("stochastic", "rne")
@@ -132,6 +132,9 @@ class Muon4(torch.optim.Optimizer):
     did not tell the two apart. The AdamW part is AdamW4 with its defaults.
     quantize=False: bf16 NS, fp32 momentum and torch's AdamW, i.e. torch.optim.Muon plus
     torch.optim.AdamW. quantize_ns / quantize_state set the two Muon halves separately.
+    cuda_graphs=True: on CUDA each matrix shape's Newton-Schulz is captured once as a CUDA
+    graph and replayed (the same kernels, so the same bits; the step is otherwise bound by
+    hundreds of small kernel launches per matrix).
 
     Which parameters get AdamW: `adamw_params` (tensors or groups), groups of `params` marked
     {"use_muon": False}, and every parameter of `params` with fewer than 2 or more than 3 dims.
@@ -160,6 +163,7 @@ class Muon4(torch.optim.Optimizer):
         state_rounding: str = "stochastic",
         quantize_ns: bool | None = None,
         quantize_state: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -172,6 +176,8 @@ class Muon4(torch.optim.Optimizer):
         self.quantize_ns = quantize if quantize_ns is None else quantize_ns
         self.quantize_state = quantize if quantize_state is None else quantize_state
         self.seed, self.ns_dtype, self.state_rounding = seed, ns_dtype, state_rounding
+        # CUDA matrices: Newton-Schulz replayed from one CUDA graph per shape (same bits).
+        self._ns = GraphedNewtonSchulz() if cuda_graphs else newton_schulz
         self.muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                   weight_decay=weight_decay, ns_steps=ns_steps,
                                   adjust_lr_fn=adjust_lr_fn, use_muon=True)
@@ -248,7 +254,7 @@ class Muon4(torch.optim.Optimizer):
         spec = NS_SPEC if self.quantize_ns else None
         p.mul_(1 - group["lr"] * group["weight_decay"])
         for w, u in zip(p.view(-1, rows, cols), update.view(-1, rows, cols), strict=True):
-            w.add_(newton_schulz(u, group["ns_steps"], spec, dtype=self.ns_dtype), alpha=-lr_adj)
+            w.add_(self._ns(u, group["ns_steps"], spec, dtype=self.ns_dtype), alpha=-lr_adj)
 
     def _state_spec(self) -> QuantSpec:
         return QuantSpec(rounding=self.state_rounding, nan_policy="propagate")

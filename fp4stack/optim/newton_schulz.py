@@ -133,3 +133,59 @@ def newton_schulz(
         else:
             x = _nvfp4_step(x.float(), spec, *coefficients).to(dtype)
     return x.T if tall else x
+
+
+class GraphedNewtonSchulz:
+    """newton_schulz replayed from CUDA graphs, one per (shape, dtype, steps, spec, ...).
+
+    One NS call is some 70 small kernels per step (the NVFP4 one ~350 in five steps: operand
+    quantizers, power iterations, diagonal splits), so on a GPU a step of Muon over a model's
+    matrices is bound by kernel launches; a replay issues them all at once. The kernels and
+    their inputs are those of the eager call, so the result is the eager one bit for bit (tested
+    on a GPU). Off CUDA, or while a graph is being captured, it calls newton_schulz.
+
+    The returned tensor is the graph's static output: the next call with the same key
+    overwrites it, so consume it first (Muon4 adds it into the weight at once). All graphs share
+    one memory pool, as they run one after another.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, tuple[Tensor, Tensor, torch.cuda.CUDAGraph]] = {}
+        self._pool = None
+
+    def __call__(self, g: Tensor, steps: int = 5, spec: QuantSpec | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16,
+                 coefficients: tuple[float, float, float] = NS_COEFFICIENTS) -> Tensor:
+        if g.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return newton_schulz(g, steps, spec, dtype=dtype, coefficients=coefficients)
+        key = (tuple(g.shape), g.dtype, g.device, steps, spec, dtype, tuple(coefficients))
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(g, steps, spec, dtype, coefficients)
+        static_in, static_out, graph = entry
+        static_in.copy_(g)
+        graph.replay()
+        return static_out
+
+    def _capture(self, g: Tensor, steps: int, spec: QuantSpec | None, dtype: torch.dtype,
+                 coefficients: tuple[float, float, float]):
+        static_in = g.detach().clone()
+        # Warm-up off the capture (Triton compiles, cuBLAS creates its workspace), on a side
+        # stream as torch.cuda.graph's capture runs on one.
+        side = torch.cuda.Stream(g.device)
+        side.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                newton_schulz(static_in, steps, spec, dtype=dtype, coefficients=coefficients)
+        torch.cuda.current_stream(g.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = newton_schulz(static_in, steps, spec, dtype=dtype,
+                                       coefficients=coefficients)
+        self._pool = graph.pool()
+        return static_in, static_out, graph
+
+    def clear(self) -> None:
+        """Drop every graph and its memory."""
+        self._graphs.clear()
+        self._pool = None

@@ -88,7 +88,8 @@ def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) ->
 
 def compile_check() -> list[str]:
     """Compile the fused AdamW4 step's passes for sm_90 without a GPU (with and without weight
-    decay and the KEEP_FP32 variant); report ptxas's registers and spills where it can."""
+    decay and the KEEP_FP32 variant); report ptxas's registers and spills and the static SASS
+    instruction count (per element: the passes have no loops) where it can."""
     from fp4stack.kernels.hopper import compile_sm90
 
     lines = []
@@ -101,8 +102,12 @@ def compile_check() -> list[str]:
                 consts = dict(PASS=pass_, DECAY=decay, BM=kernels.BM, KB=kernels.KB, KEEP=keep)
                 build = compile_sm90(kernels.adamw4_kernel, types, consts,
                                      num_warps=kernels.NUM_WARPS, default="fp32")
+                per = ""
+                if build.sass_instructions is not None:  # elements per thread of a program
+                    per_thread = kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS)
+                    per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
                 lines.append(f"adamw4 pass {pass_} decay={decay} keep_fp32={keep}: "
-                             f"{build.describe()}")
+                             f"{build.describe()}{per}")
                 print(lines[-1])
     return lines
 

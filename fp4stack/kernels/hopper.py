@@ -30,6 +30,7 @@ class HopperBuild:
     shared_bytes: int
     registers: int | None  # None: no ptxas at hand reads this PTX
     spilled_bytes: int | None
+    sass_instructions: int | None = None  # static count in the cubin; None: no cuobjdump
 
     @property
     def uses_wgmma(self) -> bool:
@@ -38,7 +39,8 @@ class HopperBuild:
     def describe(self) -> str:
         regs = ("" if self.registers is None
                 else f", {self.registers} registers, {self.spilled_bytes} bytes spilled")
-        return f"wgmma={self.uses_wgmma}, shared={self.shared_bytes}{regs}"
+        sass = "" if self.sass_instructions is None else f", {self.sass_instructions} SASS"
+        return f"wgmma={self.uses_wgmma}, shared={self.shared_bytes}{regs}{sass}"
 
 
 def signature(fn, constexprs: dict, types: dict[str, str], default: str = "i32") -> dict:
@@ -65,13 +67,15 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int 
         options["num_stages"] = num_stages
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
-    registers, spilled = ptxas_report(ptx)
-    return HopperBuild(ptx, kernel.metadata.shared, registers, spilled)
+    registers, spilled, sass = ptxas_report(ptx)
+    return HopperBuild(ptx, kernel.metadata.shared, registers, spilled, sass)
 
 
-def ptxas_report(ptx: str) -> tuple[int | None, int | None]:
-    """(registers, spill-store bytes) of the PTX for sm_90a, from the first ptxas in Triton's
-    wheel that accepts it; (None, None) when none does."""
+def ptxas_report(ptx: str) -> tuple[int | None, int | None, int | None]:
+    """(registers, spill-store bytes, SASS instructions) of the PTX for sm_90a, from the first
+    ptxas in Triton's wheel that accepts it (and its cuobjdump for the static instruction count:
+    a kernel without loops issues about that many instructions per thread, which bounds an
+    instruction-bound kernel's time); None where no tool does."""
     import triton
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -79,15 +83,26 @@ def ptxas_report(ptx: str) -> tuple[int | None, int | None]:
         path = os.path.join(bindir, exe)
         if not os.path.exists(path):
             continue
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-            fh.write(ptx)
-        try:
-            r = subprocess.run([path, "-v", "--gpu-name=sm_90a", fh.name, "-o", os.devnull],
+        with tempfile.TemporaryDirectory() as tmp:
+            src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+            with open(src, "w") as fh:
+                fh.write(ptx)
+            r = subprocess.run([path, "-v", "--gpu-name=sm_90a", src, "-o", cubin],
                                capture_output=True, text=True, check=False)
-        finally:
-            os.unlink(fh.name)
-        regs = re.search(r"Used (\d+) registers", r.stderr)
-        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-        if regs:
-            return int(regs.group(1)), int(spill.group(1)) if spill else 0
-    return None, None
+            regs = re.search(r"Used (\d+) registers", r.stderr)
+            if not regs:
+                continue
+            spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+            return int(regs.group(1)), int(spill.group(1)) if spill else 0, \
+                _sass_count(os.path.join(bindir, "cuobjdump"), cubin)
+    return None, None, None
+
+
+def _sass_count(cuobjdump: str, cubin: str) -> int | None:
+    if not os.path.exists(cuobjdump):
+        return None
+    r = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=False)
+    # Instruction lines look like "        /*0040*/                   IMAD.MOV.U32 R1, ..."; the
+    # NOPs that pad the end of the code are not counted.
+    count = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?!NOP\b)\S", r.stdout, flags=re.M))
+    return count or None

@@ -1,0 +1,152 @@
+"""Which attention quantization hurts: the error of fp4_attention's output and gradients, one
+AttentionQuant setting at a time, on real activations and on Gaussian ones.
+
+Inputs: the q, k, v each attention block of a trained GPT sees on validation text and the
+gradient of the LM loss at its output (dO), captured in float64 from a training checkpoint; and
+unit Gaussians of the same shapes. Every configuration runs the torch reference in float64, so
+the only errors are the quantizers'. Two yardsticks per gradient (relative Frobenius errors,
+averaged over the blocks):
+
+- "vs exact": against exact attention on the unquantized q, k, v;
+- "vs own forward": against the exact gradient of the function the forward computed, i.e. of
+  attention on the forward's Q̂, K̂ (blocks along d) and V̂ (blocks along keys). Tensor reuse makes
+  the backward differentiate exactly that function, so with reuse and dS, dP unquantized this is 0;
+  it is what the method's "the two passes see the same numbers" is about. Defined where the
+  forward is attention on Q̂, K̂, V̂ (all three quantized, P not); "-" elsewhere.
+
+    python benchmarks/study_attention_quantization.py \
+        --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
+        --config configs/pretrain/tiny.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from fp4stack.models import GPT
+from fp4stack.models.gpt import Attention
+from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention, quantize_along
+from fp4stack.train.config import load_config
+from fp4stack.train.trainer import open_data
+
+CONFIGS = {
+    "Q, K, V, dS; reuse (default)": AttentionQuant.paper(),
+    "Q, K, V, dS; no reuse": AttentionQuant(reuse=False),
+    "Q, K, V; reuse (dS high precision)": AttentionQuant(ds=None),
+    "Q, K, V; no reuse (dS high precision)": AttentionQuant(ds=None, reuse=False),
+    "Q only": AttentionQuant.only("q"),
+    "K only": AttentionQuant.only("k"),
+    "V only": AttentionQuant.only("v"),
+    "P only": AttentionQuant.only("p"),
+    "dS only": AttentionQuant.only("ds"),
+    "dP only": AttentionQuant.only("dp"),
+    "all six; reuse": AttentionQuant(p=NVFP4_RNE, dp=NVFP4_RNE),
+}
+
+
+def capture(checkpoint: Path, config: str, batches: int) -> list[tuple[torch.Tensor, ...]]:
+    """(q, k, v, dO) in float64 at every attention block of the checkpoint's GPT, on the first
+    `batches` validation batches; K/V heads repeated as the block does."""
+    cfg = load_config(config)
+    _, val = open_data(cfg)
+    model = GPT(cfg.model_config(val.vocab_size))
+    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    seen: list[list] = []
+
+    def make_attend(block: Attention):
+        def attend(q, k, v, mask=None):
+            if block.n_kv_heads != block.n_heads:
+                rep = block.n_heads // block.n_kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.retain_grad()
+            seen.append([q.detach(), k.detach(), v.detach(), out])
+            return out
+        return attend
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.attend = make_attend(m)
+    captured = []
+    for x, y in val.val_batches(cfg.micro_batch_size, cfg.seq_len, batches):
+        seen.clear()
+        _, loss = model(x, y)
+        loss.backward()
+        captured += [(q.double(), k.double(), v.double(), out.grad.double())
+                     for q, k, v, out in seen]
+    return captured
+
+
+def exact(q, k, v, do):
+    """Output and gradients of causal float64 attention."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    S, L = s.shape[-2:]
+    s = s.masked_fill(~torch.ones(S, L, dtype=torch.bool).tril(L - S), float("-inf"))
+    out = s.softmax(-1) @ v
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def own_forward(q, k, v, do):
+    """Exact gradients of attention at the forward's quantized operands (what reuse keeps)."""
+    qh, kh = (quantize_along(t, NVFP4_RNE, -1, torch.float64) for t in (q, k))
+    vh = quantize_along(v, NVFP4_RNE, -2, torch.float64)
+    return exact(qh, kh, vh, do)
+
+
+def has_own_forward(cfg: AttentionQuant) -> bool:
+    """Whether the forward is attention on Q̂, K̂, V̂ (all three quantized, P not): the
+    configurations the "vs own forward" columns are defined for."""
+    return None not in (cfg.q, cfg.k, cfg.v) and cfg.p is None
+
+
+def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
+    q, k, v = (t.detach().clone().requires_grad_() for t in sample[:3])
+    do = sample[3]
+    out = fp4_attention(q, k, v, causal=True, config=cfg, backend="torch")
+    out.backward(do)
+    got = (out.detach(), q.grad, k.grad, v.grad)
+    rel = [((a - b).norm() / b.norm()).item() for a, b in zip(got, refs[0], strict=True)]
+    if has_own_forward(cfg):
+        rel += [((a - b).norm() / b.norm()).item()
+                for a, b in zip(got[1:], refs[1][1:], strict=True)]
+    return rel
+
+
+def table(samples, title: str) -> None:
+    refs = [(exact(*s), own_forward(*s)) for s in samples]
+    print(f"\n{title} ({len(samples)} attention calls)\n")
+    print("| quantized | out vs exact | dq vs exact | dk vs exact | dv vs exact | "
+          "dq vs own forward | dk vs own forward | dv vs own forward |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, cfg in CONFIGS.items():
+        rows = [errors(cfg, s, r) for s, r in zip(samples, refs, strict=True)]
+        means = [f"{sum(col) / len(col):.2e}" for col in zip(*rows, strict=True)]
+        means += ["-"] * (7 - len(means))
+        print(f"| {name} | " + " | ".join(means) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="a training checkpoint directory (model.safetensors)")
+    p.add_argument("--config", default="configs/pretrain/tiny.yaml",
+                   help="the pretraining config the checkpoint was trained with")
+    p.add_argument("--batches", type=int, default=1, help="validation batches to capture")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    real = capture(args.checkpoint, args.config, args.batches)
+    table(real, f"Real activations: {args.checkpoint}")
+    gauss = [tuple(torch.randn(t.shape, dtype=torch.float64) for t in s) for s in real]
+    table(gauss, "Unit Gaussian q, k, v, dO of the same shapes")
+
+
+if __name__ == "__main__":
+    main()

@@ -42,3 +42,13 @@ def test_fused_adamw4_step_compiles_for_sm90_without_spills():
     assert len(lines) == 10, lines
     spilled = [line for line in lines if "bytes spilled" in line and " 0 bytes spilled" not in line]
     assert not spilled, spilled
+    # The static SASS count (where the wheel has cuobjdump): passes 1-3 of the KEEP_FP32 variant
+    # read m and v instead of recomputing them from the gradient and the packed states, so they
+    # are shorter than the default's.
+    sass = {line.split(":")[0]: int(line.split(" SASS")[0].rsplit(" ", 1)[1])
+            for line in lines if " SASS" in line}
+    if sass:
+        assert len(sass) == 10 and all(500 < n < 10_000 for n in sass.values()), sass
+        for p in (1, 2, 3):
+            keep = sass[f"adamw4 pass {p} decay=False keep_fp32=True"]
+            assert keep < sass[f"adamw4 pass {p} decay=False keep_fp32=False"], sass

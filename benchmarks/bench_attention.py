@@ -37,6 +37,8 @@ ARGS.add_argument("--no-causal", action="store_true")
 ARGS.add_argument("--reference", action="store_true")
 ARGS.add_argument("--sweep", action="store_true")
 ARGS.add_argument("--compile-check", action="store_true")
+ARGS.add_argument("--profile", action="store_true",
+                  help="also print the CUDA time of each kernel of one fp4 forward + backward")
 ARGS.add_argument("--out")
 
 
@@ -217,6 +219,23 @@ def compile_check() -> list[str]:
     return lines
 
 
+def profile(B, H, S, d, causal):
+    """Per-kernel CUDA time of one fp4 forward + backward (default tiles), printed as a table."""
+    from fp4stack.kernels.profiling import format_kernel_times, kernel_times
+    from fp4stack.nn.attention import fp4_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, S, d, generator=g).to("cuda", torch.bfloat16)
+                   for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    rows = kernel_times(fwd_bwd(lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton"),
+                                q, k, v, do))
+    print(f"\nfp4 forward + backward, B={B} H={H} S={S} d={d}, CUDA time per kernel:")
+    print(format_kernel_times(rows))
+    return rows
+
+
 def table(rows) -> str:
     out = ["| impl | S | d | fwd ms | fwd TFLOPS | fwd x SDPA | fwd+bwd ms | fwd+bwd TFLOPS "
            "| fwd+bwd x SDPA | max abs diff vs SDPA |", "|" + "---|" * 10]
@@ -254,6 +273,10 @@ def main() -> None:
                              measure(b, args.heads, S, d, not args.no_causal, args.device, True)]
         print(table(rows))
         result["rows"] = rows
+        if args.profile and args.device == "cuda":
+            result["profile"] = {f"S={S} d={d}": profile(args.batch, args.heads, S, d,
+                                                        not args.no_causal)
+                                 for S in args.seq for d in args.head_dim}
         if args.sweep and args.device == "cuda":
             result["sweep"] = [r for S in args.seq for d in args.head_dim
                                for r in sweep(args.batch, args.heads, S, d, not args.no_causal)]

@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="also print the CUDA time of each kernel of one AdamW4 and Muon4 step")
     p.add_argument("--compile-check", action="store_true",
                    help="only compile the fused AdamW4 kernel for sm_90 (no GPU needed)")
     args = p.parse_args()
@@ -170,6 +172,15 @@ def main() -> None:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         rows.append(row)
         del opt
+    if args.profile and cuda:
+        from fp4stack.kernels.profiling import format_kernel_times, kernel_times
+
+        for name in ("AdamW4 (fused)", "Muon4"):
+            kernels.KEEP_FP32 = False
+            opt = makers[name]()
+            print(f"\n{name} step, CUDA time per kernel:")
+            print(format_kernel_times(kernel_times(opt.step)))
+            del opt
     base = rows[0]["step_ms"]
     print("| optimizer | step ms | vs torch AdamW | state bytes/param |" +
           (" peak GiB |" if cuda else ""))

@@ -135,10 +135,8 @@ SWEEP = {
 }
 
 
-def sweep(B, H, S, d, causal):
-    """Each pass's tiles in turn (the others at their defaults), fwd+bwd ms of the fp4 path."""
-    from fp4stack.kernels import attention as fa
-    from fp4stack.kernels import attention_bwd as ba
+def fp4_fwd_bwd_on_cuda(B, H, S, d, causal):
+    """A call running one fp4 forward + backward (Triton path) on seeded bf16 CUDA inputs."""
     from fp4stack.nn.attention import fp4_attention
 
     g = torch.Generator().manual_seed(0)
@@ -146,8 +144,16 @@ def sweep(B, H, S, d, causal):
                    for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_()
-    f = fwd_bwd(lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton"), q, k, v, do)
-    rows = []
+    return fwd_bwd(lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton"), q, k, v, do)
+
+
+def sweep(B, H, S, d, causal):
+    """Each pass's tiles in turn (the others at their defaults), fwd+bwd ms of the fp4 path."""
+    from fp4stack.kernels import attention as fa
+    from fp4stack.kernels import attention_bwd as ba
+
+    f = fp4_fwd_bwd_on_cuda(B, H, S, d, causal)
+    rows, default_det = [], ba.DETERMINISTIC
     for det in (False, True):
         ba.DETERMINISTIC = det
         for name, shapes in SWEEP.items():
@@ -163,7 +169,7 @@ def sweep(B, H, S, d, causal):
                 rows.append(dict(deterministic=det, pass_=name, block_m=bm, block_n=bn,
                                  num_warps=w, num_stages=st, fwdbwd_ms=ms, S=S, d=d))
                 print(f"det={det} {name:5s} {bm:3d}x{bn:<3d} w{w} s{st}: {ms:.3f} ms")
-    fa.TILE_OVERRIDES, ba.DETERMINISTIC = {}, False
+    fa.TILE_OVERRIDES, ba.DETERMINISTIC = {}, default_det
     return rows
 
 
@@ -222,15 +228,8 @@ def compile_check() -> list[str]:
 def profile(B, H, S, d, causal):
     """Per-kernel CUDA time of one fp4 forward + backward (default tiles), printed as a table."""
     from fp4stack.kernels.profiling import format_kernel_times, kernel_times
-    from fp4stack.nn.attention import fp4_attention
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, S, d, generator=g).to("cuda", torch.bfloat16)
-                   for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_()
-    rows = kernel_times(fwd_bwd(lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton"),
-                                q, k, v, do))
+    rows = kernel_times(fp4_fwd_bwd_on_cuda(B, H, S, d, causal))
     print(f"\nfp4 forward + backward, B={B} H={H} S={S} d={d}, CUDA time per kernel:")
     print(format_kernel_times(rows))
     return rows

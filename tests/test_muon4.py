@@ -18,6 +18,7 @@ from torch import nn
 import fp4stack.optim.newton_schulz as ns
 from fp4stack import fake_quantize
 from fp4stack.analysis.sample_models import text_batch
+from fp4stack.formats.spec import QuantSpec
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.optim import AdamW4
 from fp4stack.optim.muon4 import NS_SPEC, Muon4, newton_schulz, split_params
@@ -518,6 +519,9 @@ def test_graphed_newton_schulz_off_cuda_is_the_eager_call():
         assert torch.equal(graphed(g, 5, spec, dtype=torch.float32),
                            newton_schulz(g, 5, spec, dtype=torch.float32))
     assert not graphed._graphs
+    # A graph would freeze the capture's stochastic-rounding draws: such specs run eagerly.
+    assert ns.replayable(None) and ns.replayable(NS_SPEC)
+    assert not ns.replayable(QuantSpec(rounding="stochastic"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

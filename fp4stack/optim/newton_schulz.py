@@ -135,6 +135,13 @@ def newton_schulz(
     return x.T if tall else x
 
 
+def replayable(spec: QuantSpec | None) -> bool:
+    """Whether a graph replay of newton_schulz with `spec` repeats the eager call: not with
+    stochastic rounding, whose seed is drawn on the host at each call (a graph would freeze
+    the capture's draws)."""
+    return spec is None or spec.rounding != "stochastic"
+
+
 class GraphedNewtonSchulz:
     """newton_schulz replayed from CUDA graphs, one per (shape, dtype, steps, spec, ...).
 
@@ -142,7 +149,8 @@ class GraphedNewtonSchulz:
     quantizers, power iterations, diagonal splits), so on a GPU a step of Muon over a model's
     matrices is bound by kernel launches; a replay issues them all at once. The kernels and
     their inputs are those of the eager call, so the result is the eager one bit for bit (tested
-    on a GPU). Off CUDA, or while a graph is being captured, it calls newton_schulz.
+    on a GPU). Off CUDA, while a graph is being captured, or with stochastic rounding (see
+    `replayable`), it calls newton_schulz.
 
     The returned tensor is the graph's static output: the next call with the same key
     overwrites it, so consume it first (Muon4 adds it into the weight at once). All graphs share
@@ -156,7 +164,8 @@ class GraphedNewtonSchulz:
     def __call__(self, g: Tensor, steps: int = 5, spec: QuantSpec | None = None, *,
                  dtype: torch.dtype = torch.bfloat16,
                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS) -> Tensor:
-        if g.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if (g.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+                or not replayable(spec)):
             return newton_schulz(g, steps, spec, dtype=dtype, coefficients=coefficients)
         key = (tuple(g.shape), g.dtype, g.device, steps, spec, dtype, tuple(coefficients))
         entry = self._graphs.get(key)

@@ -94,6 +94,22 @@ def test_tie_points_exact():
     check_all_paths(x, SPECS["4over6"], amax=1536.0)
 
 
+def test_stochastic_rounding_on_and_beside_the_grid():
+    """SR of values on every E2M1 grid point, one ulp either side of each (the binade edges 2
+    and 4 among them) and beyond 6 (given a small amax, so blocks saturate): kernel and
+    reference agree bit for bit, draws included."""
+    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    vals = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1),
+                      torch.tensor([0.25, 2.5, 5.0, 5.999])])  # 25 values
+    vals = torch.cat([vals, -vals])
+    vals = torch.nn.functional.pad(vals, (0, 64 - vals.numel()))
+    scales = 2.0 ** torch.arange(-8, 6, dtype=torch.float32)
+    x = (vals[None, :] * scales[:, None]).to(DEVICE)
+    for seed in (1, 2, 3):
+        check_all_paths(x, SPECS["sr"], amax=2688.0, seed=seed)
+        check_all_paths(x, SPECS["sr"], amax=float(x.abs().max()) / 4, seed=seed)
+
+
 @pytest.mark.parametrize(
     "x",
     [

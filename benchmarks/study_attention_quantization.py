@@ -7,7 +7,8 @@ unit Gaussians of the same shapes. Every configuration runs the torch reference 
 the only errors are the quantizers'. Two yardsticks per gradient (relative Frobenius errors,
 averaged over the blocks):
 
-- "vs exact": against exact attention on the unquantized q, k, v;
+- "vs exact": against exact attention on the unquantized q, k, v (the reference with every
+  quantizer off);
 - "vs own forward": against the exact gradient of the function the forward computed, i.e. of
   attention on the forward's Q̂, K̂ (blocks along d) and V̂ (blocks along keys). Tensor reuse makes
   the backward differentiate exactly that function, so with reuse and dS, dP unquantized this is 0;
@@ -22,11 +23,9 @@ averaged over the blocks):
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fp4stack.models import GPT
@@ -52,27 +51,26 @@ CONFIGS = {
 
 def capture(checkpoint: Path, config: str, batches: int) -> list[tuple[torch.Tensor, ...]]:
     """(q, k, v, dO) in float64 at every attention block of the checkpoint's GPT, on the first
-    `batches` validation batches; K/V heads repeated as the block does."""
+    `batches` validation batches; K/V heads repeated to the query heads, as the block does."""
     cfg = load_config(config)
     _, val = open_data(cfg)
     model = GPT(cfg.model_config(val.vocab_size))
     model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
     seen: list[list] = []
 
-    def make_attend(block: Attention):
-        def attend(q, k, v, mask=None):
-            if block.n_kv_heads != block.n_heads:
-                rep = block.n_heads // block.n_kv_heads
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def recording(attend):
+        def attend_and_record(q, k, v, mask=None):
+            out = attend(q, k, v, mask)
             out.retain_grad()
-            seen.append([q.detach(), k.detach(), v.detach(), out])
+            rep = q.shape[1] // k.shape[1]
+            k, v = (t.detach().repeat_interleave(rep, dim=1) for t in (k, v))
+            seen.append([q.detach(), k, v, out])
             return out
-        return attend
+        return attend_and_record
 
     for m in model.modules():
         if isinstance(m, Attention):
-            m.attend = make_attend(m)
+            m.attend = recording(m.attend)
     captured = []
     for x, y in val.val_batches(cfg.micro_batch_size, cfg.seq_len, batches):
         seen.clear()
@@ -84,14 +82,8 @@ def capture(checkpoint: Path, config: str, batches: int) -> list[tuple[torch.Ten
 
 
 def exact(q, k, v, do):
-    """Output and gradients of causal float64 attention."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    S, L = s.shape[-2:]
-    s = s.masked_fill(~torch.ones(S, L, dtype=torch.bool).tril(L - S), float("-inf"))
-    out = s.softmax(-1) @ v
-    out.backward(do)
-    return out.detach(), q.grad, k.grad, v.grad
+    """Output and gradients of causal attention with nothing quantized (float64)."""
+    return run(AttentionQuant.off(), q, k, v, do)
 
 
 def own_forward(q, k, v, do):
@@ -101,6 +93,14 @@ def own_forward(q, k, v, do):
     return exact(qh, kh, vh, do)
 
 
+def run(cfg: AttentionQuant, q, k, v, do):
+    """(out, dq, dk, dv) of the torch reference of fp4_attention with `cfg`."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fp4_attention(q, k, v, causal=True, config=cfg, backend="torch")
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
 def has_own_forward(cfg: AttentionQuant) -> bool:
     """Whether the forward is attention on Q̂, K̂, V̂ (all three quantized, P not): the
     configurations the "vs own forward" columns are defined for."""
@@ -108,11 +108,7 @@ def has_own_forward(cfg: AttentionQuant) -> bool:
 
 
 def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
-    q, k, v = (t.detach().clone().requires_grad_() for t in sample[:3])
-    do = sample[3]
-    out = fp4_attention(q, k, v, causal=True, config=cfg, backend="torch")
-    out.backward(do)
-    got = (out.detach(), q.grad, k.grad, v.grad)
+    got = run(cfg, *sample)
     rel = [((a - b).norm() / b.norm()).item() for a, b in zip(got, refs[0], strict=True)]
     if has_own_forward(cfg):
         rel += [((a - b).norm() / b.norm()).item()

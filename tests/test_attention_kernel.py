@@ -65,15 +65,20 @@ def fq_along(x: torch.Tensor, dim: int, amax) -> torch.Tensor:
     return y[..., :n].movedim(-1, dim)
 
 
-def reference_lse(q, k, v, causal, amaxes):
-    """log-sum-exp of the reference's scaled scores (quantized Q̂ K̂ᵀ, fp32, masked)."""
+def reference_scores(q, k, causal, amaxes):
+    """The reference's scaled scores: quantized Q̂ K̂ᵀ / sqrt(d), fp32, -inf where masked."""
     qh, kh = fq_along(q, -1, amaxes[0]), fq_along(k, -1, amaxes[1])
     s = (qh @ kh.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    S, L = q.shape[2], k.shape[2]
     if causal:
-        allowed = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S)
+        S, L = s.shape[-2:]
+        allowed = torch.ones(S, L, dtype=torch.bool, device=s.device).tril(L - S)
         s = s.masked_fill(~allowed, float("-inf"))
-    return torch.logsumexp(s, dim=-1)
+    return s
+
+
+def reference_lse(q, k, v, causal, amaxes):
+    """log-sum-exp of the reference's scaled scores."""
+    return torch.logsumexp(reference_scores(q, k, causal, amaxes), dim=-1)
 
 
 def amaxes_of(*ts):
@@ -188,13 +193,8 @@ def test_backward_matches_reference(S, L, d, causal, deterministic, monkeypatch)
 
 def reference_ds(q, k, v, do, causal, amaxes):
     """The reference's dS = P ∘ (dO V̂ᵀ - rowsum(dO ∘ O)), fp32."""
-    qh, kh, vh = fq_along(q, -1, amaxes[0]), fq_along(k, -1, amaxes[1]), fq_along(v, -2, amaxes[2])
-    s = (qh @ kh.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal:
-        S, L = s.shape[-2:]
-        allowed = torch.ones(S, L, dtype=torch.bool, device=s.device).tril(L - S)
-        s = s.masked_fill(~allowed, float("-inf"))
-    p = s.softmax(-1)
+    vh = fq_along(v, -2, amaxes[2])
+    p = reference_scores(q, k, causal, amaxes).softmax(-1)
     o = p @ vh
     return p * (do @ vh.transpose(-2, -1) - (do * o).sum(-1, keepdim=True))
 

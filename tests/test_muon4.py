@@ -221,6 +221,14 @@ def feed(params, step):
         p.grad = randn(*p.shape, seed=1000 * step + i).to(p.dtype)
 
 
+def step_together(runs, steps) -> None:
+    """At each step, feed every (params, optimizer) run the same gradients and step it."""
+    for step in steps:
+        for params, opt in runs:
+            feed(params, step)
+            opt.step()
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
@@ -231,11 +239,7 @@ def test_plain_muon4_equals_torch_muon(nesterov, weight_decay, adjust_lr_fn):
               adjust_lr_fn=adjust_lr_fn)
     opt = Muon4(mine, quantize=False, **kw)
     peer = torch.optim.Muon(ref, **kw)
-    for step in range(4):
-        feed(mine, step)
-        feed(ref, step)
-        opt.step()
-        peer.step()
+    step_together([(mine, opt), (ref, peer)], range(4))
     for p, q in zip(mine, ref, strict=True):
         assert torch.equal(p, q)
 
@@ -444,20 +448,14 @@ def test_state_dict_round_trip_continues_bit_identically(quantize, dtype):
     shapes = [(32, 48), (2, 16, 32), (48,), (64, 32)]
     params = params_like(shapes, dtype=dtype)
     opt = Muon4(params[:3], quantize=quantize, adamw_params=[params[3]], seed=5)
-    for step in range(2):
-        feed(params, step)
-        opt.step()
+    step_together([(params, opt)], range(2))
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     clone = [nn.Parameter(p.detach().clone()) for p in params]
     resumed = Muon4(clone[:3], quantize=quantize, adamw_params=[clone[3]], seed=5)
     buffer.seek(0)
     resumed.load_state_dict(torch.load(buffer))
-    for step in range(2, 5):
-        feed(params, step)
-        feed(clone, step)
-        opt.step()
-        resumed.step()
+    step_together([(params, opt), (clone, resumed)], range(2, 5))
     for p, q in zip(params, clone, strict=True):
         assert torch.equal(p, q)
     if quantize:

@@ -193,8 +193,3 @@ class GraphedNewtonSchulz:
                                        coefficients=coefficients)
         self._pool = graph.pool()
         return static_in, static_out, graph
-
-    def clear(self) -> None:
-        """Drop every graph and its memory."""
-        self._graphs.clear()
-        self._pool = None

@@ -60,14 +60,17 @@ def sign_bit(y):
 
 
 @triton.jit
-def _e2m1_round_parts(y):
+def _e2m1_round_parts(y, RNE: tl.constexpr = True):
     # |y| clamped to 6 lies in binade E = 0 (below 2), 1 ([2, 4)) or 2 ([4, 6]), where the E2M1
-    # step is 2**(E - 1). Scaling by m = 2**(1 - E) (exact) and adding 2**23 rounds to an integer
-    # n by float32 round-to-nearest-even: the grid value is n * 2**(E - 1) and the code n + 2E.
+    # step is 2**(E - 1). Scaling by m = 2**(1 - E) is exact; with RNE, adding 2**23 rounds to an
+    # integer n by float32 round-to-nearest-even: the grid value is n * 2**(E - 1), the code
+    # n + 2E. Without, t = |y| * m itself (in steps of the binade).
     a = tl.minimum(tl.abs(y), 6.0)
     e = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)  # 2**E, as bits
     m = ((255 << 23) - e).to(tl.float32, bitcast=True)  # 2**(1 - E)
-    t = a * m + 8388608.0  # a * m is exact, so this is one rounding
+    t = a * m
+    if RNE:
+        t = t + 8388608.0  # a * m is exact, so this is one rounding
     return t, e
 
 
@@ -130,15 +133,15 @@ def uniform(index, k1, k2):
 
 @triton.jit
 def e2m1_stochastic(y, u):
-    """E2M1 codes of y by stochastic rounding with draws u (see formats/e2m1.round_stochastic)."""
-    a = tl.abs(y)
-    lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-    lo += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-    lo += (a >= 6.0).to(tl.int32)
-    inv_gap = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, 0.5))
-    frac = (a - e2m1_magnitude(lo)) * inv_gap
-    up = (u < frac) & (lo < 7)
-    mag = tl.where(up, lo + 1, lo)
+    """E2M1 codes of y by stochastic rounding with draws u (see formats/e2m1.round_stochastic):
+    the grid point below |y| (clamped to 6), one up when u < the fraction of the step |y| has
+    covered. In the binade's units (|y| * 2**(1 - E), exact) the point below is the floor and
+    the fraction what is left, both exact, so they equal the reference's (|y| - lo) / gap. A
+    NaN y gives an arbitrary code, as in e2m1_rne."""
+    t, e = _e2m1_round_parts(y, False)
+    n = tl.floor(t)
+    mag = n.to(tl.int32) + ((e >> 22) - 254)  # n + 2E
+    mag = tl.where(u < t - n, mag + 1, mag)  # at 6 (code 7) the fraction is 0: never up
     return mag | sign_bit(y)
 
 

@@ -542,3 +542,23 @@ def test_cuda_graphs_step_equals_eager_step(quantize):
         runs.append(params)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (64, 64)])
+@pytest.mark.parametrize("reduce_dim", [0, 1])
+def test_operand_units_times_decode_scale_are_the_fake_quantized_values(shape, reduce_dim):
+    """An NVFP4 operand as units and a decode scale: units * dec equals fake_quantize along the
+    reduction dim bit for bit, and the units have at most 6 significant bits (exact in TF32)."""
+    x = randn(*shape, seed=9) * 3
+    op = ns._operand(x, NS_SPEC, reduce_dim)
+    want = q_rows(x.T).T.float() if reduce_dim == 0 else q_rows(x).float()
+    assert torch.equal(op.values(), want)
+    mantissa, _ = torch.frexp(op.units.double())
+    assert torch.equal(mantissa * 2**6, (mantissa * 2**6).round())
+
+
+def test_nvfp4_gemm_is_the_product_of_the_operand_values():
+    a, b = randn(40, 64, seed=10), randn(64, 24, seed=11)
+    left, right = ns._operand(a, NS_SPEC, 1), ns._operand(b, NS_SPEC, 0)
+    want = left.values().double() @ right.values().double()
+    assert rel(ns._nvfp4_gemm(left, right), want) < 1e-6

@@ -9,10 +9,14 @@ the quintic amplifies. Two guards keep it stable: the diagonal parts are applied
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from ..api import fake_quantize
+from ..api import dequantize, quantize
 from ..formats.spec import QuantSpec
 
 # Keller Jordan's quintic: its slope at zero is a = 3.4445, so five steps lift singular values
@@ -38,13 +42,60 @@ def _gemm(left: Tensor, right: Tensor, bias: Tensor | None = None, *,
     return torch.addmm(bias, left, right, beta=beta, alpha=alpha)
 
 
-def _operand(x: Tensor, spec: QuantSpec | None, reduce_dim: int) -> Tensor:
-    """A GEMM operand as NVFP4 values (fp32) with blocks along `reduce_dim`, or x itself."""
-    if spec is None:
-        return x
-    if reduce_dim == 0:  # a right operand: quantize its transpose row-wise ("column-wise")
-        return fake_quantize(x.T.float().contiguous(), spec=spec).T
-    return fake_quantize(x.float().contiguous(), spec=spec)
+class Operand(NamedTuple):
+    """An NVFP4 GEMM operand split as units (E2M1 value x E4M3 block scale) and the tensor's
+    decode scale (0-d): its values are units * dec, rounded once. Units have at most 6
+    significant bits, so they are exact in fp32, TF32 and BF16, and so are their products."""
+
+    units: Tensor
+    dec: Tensor
+
+    @property
+    def T(self) -> Operand:  # noqa: N802 (as Tensor.T)
+        return Operand(self.units.T, self.dec)
+
+    def values(self) -> Tensor:
+        return self.units * self.dec
+
+
+def _operand(x: Tensor, spec: QuantSpec, reduce_dim: int) -> Operand:
+    """x as an NVFP4 GEMM operand with blocks along `reduce_dim` (0: a right operand, quantized
+    through its transpose, "column-wise")."""
+    if reduce_dim == 0:
+        return _operand(x.T, spec, 1).T
+    q = quantize(x.float().contiguous(), spec=spec)
+    # Dequantizing with the amax whose decode scale is exactly 1 (6 * 448 * fl(1/2688) == 1 in
+    # fp32) gives the units; the operand's values are those of fake_quantize bit for bit.
+    full_range = 6.0 * spec.scale_max
+    units = dequantize(dataclasses.replace(q, amax=torch.full_like(q.amax, full_range)))
+    return Operand(units, q.amax * (1.0 / full_range))
+
+
+@contextlib.contextmanager
+def _tf32(device: torch.device):
+    """CUDA fp32 GEMMs on TF32 tensor cores inside the block. Exact for operands of units:
+    their <= 6 significant bits fit TF32's 11, and the products accumulate in fp32."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    # torch >= 2.9 names the setting fp32_precision; allow_tf32 is the older spelling.
+    name, value = (("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision")
+                   else ("allow_tf32", True))
+    old = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, old)
+
+
+def _nvfp4_gemm(left: Operand, right: Operand) -> Tensor:
+    """left @ right in fp32 from two NVFP4 operands: the GEMM of their units (exact products,
+    fp32 accumulation; TF32 tensor cores on CUDA), times both decode scales."""
+    with _tf32(left.units.device):
+        out = _gemm(left.units, right.units)
+    return out * (left.dec * right.dec)
 
 
 def _top_eigenvalue(gram: Tensor, iters: int = POWER_ITERS) -> Tensor:
@@ -82,15 +133,15 @@ def _nvfp4_step(x: Tensor, spec: QuantSpec, a: float, b: float, c: float) -> Ten
       CAP² (noise-free iterates stay below CAP, so then this is a no-op).
     """
     xq = _operand(x, spec, 1)
-    gram = _gemm(xq, xq.T)  # reduces over X's columns: X row-wise on both sides
+    gram = _nvfp4_gemm(xq, xq.T)  # reduces over X's columns: X row-wise on both sides
     scale = (_top_eigenvalue(gram).clamp(min=0).sqrt() / CAP).clamp(min=1.0)
     x, gram = x / scale, gram / scale**2
     d, off = _split_diagonal(gram)
-    square = _gemm(_operand(off, spec, 1), _operand(off, spec, 0))  # O·O: reduces over O's cols
+    square = _nvfp4_gemm(_operand(off, spec, 1), _operand(off, spec, 0))  # O·O: over O's cols
     square = square + d[:, None] * off + off * d[None, :] + torch.diag(d * d)  # (D + O)²
     poly = c * square + b * gram + a * torch.eye(len(d), dtype=gram.dtype, device=gram.device)
     pd, poff = _split_diagonal(poly)
-    return pd[:, None] * x + _gemm(_operand(poff, spec, 1), _operand(x, spec, 0))  # over X's rows
+    return pd[:, None] * x + _nvfp4_gemm(_operand(poff, spec, 1), _operand(x, spec, 0))  # X rows
 
 
 def newton_schulz(

@@ -56,13 +56,6 @@ def time_step(opt: torch.optim.Optimizer, device: torch.device, reps: int) -> fl
     return statistics.median(times)
 
 
-def keep_fp32(opt: AdamW4) -> AdamW4:
-    """Switch the fused step to its variant keeping m and v in fp32 between passes (for the
-    rows timed after this call; reset before each optimizer)."""
-    kernels.KEEP_FP32 = True
-    return opt
-
-
 def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) -> bool:
     """Whether AdamW4's fused and reference steps give the same bits on copies of `params`."""
     results = []
@@ -87,28 +80,33 @@ def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) ->
 
 
 def compile_check() -> list[str]:
-    """Compile the fused AdamW4 step's passes for sm_90 without a GPU (with and without weight
-    decay and the KEEP_FP32 variant); report ptxas's registers and spills and the static SASS
-    instruction count (per element: the passes have no loops) where it can."""
+    """Compile the fused AdamW4 step's passes for sm_90 without a GPU (the step pass with and
+    without weight decay); report ptxas's registers and spills and the static SASS instruction
+    count (per element: the passes have no loops) where it can."""
     from fp4stack.kernels.hopper import compile_sm90
 
     lines = []
-    for keep in (False, True):
-        for pass_ in range(4):
-            for decay in ((True, False) if pass_ == 0 else (False,)):
-                types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64",
-                             scratch_ptr="*fp64", vnew_ptr="*u8",
-                             keep_ptr="*fp32" if keep else "*fp64", seed_hash="i32", step="i32")
-                consts = dict(PASS=pass_, DECAY=decay, BM=kernels.BM, KB=kernels.KB, KEEP=keep)
-                build = compile_sm90(kernels.adamw4_kernel, types, consts,
-                                     num_warps=kernels.NUM_WARPS, default="fp32")
-                per = ""
-                if build.sass_instructions is not None:  # elements per thread of a program
-                    per_thread = kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS)
-                    per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
-                lines.append(f"adamw4 pass {pass_} decay={decay} keep_fp32={keep}: "
-                             f"{build.describe()}{per}")
-                print(lines[-1])
+    names = {kernels.SUMS.value: "sums", kernels.CALIBRATE.value: "calibrate",
+             kernels.STEP.value: "step"}
+    for pass_, name in names.items():
+        for decay in ((True, False) if pass_ == kernels.STEP.value else (False,)):
+            types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64", sums_ptr="*fp64",
+                         inv_ptr="*fp32", seed_hash="i32", step="i32")
+            consts = dict(PASS=pass_, DECAY=decay, BM=kernels.BM, KB=kernels.KB)
+            build = compile_sm90(kernels.adamw4_kernel, types, consts,
+                                 num_warps=kernels.NUM_WARPS, default="fp32")
+            per = ""
+            if build.sass_instructions is not None:  # elements per thread of a program
+                per_thread = kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS)
+                per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
+            lines.append(f"adamw4 pass {name} decay={decay}: {build.describe()}{per}")
+            print(lines[-1])
+    build = compile_sm90(kernels.adamw4_factors_kernel,
+                         dict(work_ptr="*i32", meta_ptr="*i64", sums_ptr="*fp64",
+                              inv_ptr="*fp32"), dict(LINE=kernels.LINE), num_warps=4,
+                         default="fp32")
+    lines.append(f"adamw4 factors (per row and column): {build.describe()}")
+    print(lines[-1])
     return lines
 
 
@@ -139,26 +137,18 @@ def main() -> None:
         "torch AdamW (fused)" if cuda else "torch AdamW": lambda: torch.optim.AdamW(
             params, lr=1e-3, fused=cuda or None),
         "AdamW4 (fused)": lambda: AdamW4(params, lr=1e-3, fused=True),
-        "AdamW4 (fused, m and v kept in fp32 between passes)": lambda: keep_fp32(
-            AdamW4(params, lr=1e-3, fused=True)),
         "AdamW4 (reference)": lambda: AdamW4(params, lr=1e-3, fused=False),
         "Muon (fp32 momentum, bf16 NS)": lambda: Muon4(params, lr=0.02, quantize=False),
         "Muon4": lambda: Muon4(params, lr=0.02),
     }
-    if not cuda:
-        del makers["AdamW4 (fused, m and v kept in fp32 between passes)"]
-        if not interpreted:
-            print("AdamW4 (fused): skipped (on the CPU it runs only with TRITON_INTERPRET=1)")
-            del makers["AdamW4 (fused)"]
+    if not cuda and not interpreted:
+        print("AdamW4 (fused): skipped (on the CPU it runs only with TRITON_INTERPRET=1)")
+        del makers["AdamW4 (fused)"]
     rows = []
     print(f"{n / 1e6:.1f}M parameters in {len(params)} matrices, device {device}")
     if cuda:
-        for keep in (False, True):
-            kernels.KEEP_FP32 = keep
-            label = " (m and v kept in fp32)" if keep else ""
-            print(f"fused{label} == reference: {fused_matches_reference(params[:3])}")
+        print(f"fused == reference: {fused_matches_reference(params[:3])}")
     for name, make in makers.items():
-        kernels.KEEP_FP32 = False
         opt = make()
         opt.step()  # creates the states
         if cuda:
@@ -176,8 +166,8 @@ def main() -> None:
         from fp4stack.kernels.profiling import format_kernel_times, kernel_times
 
         for name in ("AdamW4 (fused)", "Muon4"):
-            kernels.KEEP_FP32 = False
             opt = makers[name]()
+            opt.step()  # the states exist: a step like the timed ones
             print(f"\n{name} step, CUDA time per kernel:")
             print(format_kernel_times(kernel_times(opt.step)))
             del opt

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import fp4stack
 from fp4stack.formats.tensor import NVFP4Tensor
 from fp4stack.optim import AdamW4
+from fp4stack.optim.adamw4 import HEADROOM
 from fp4stack.optim.state_transforms import TRANSFORMS, decode_state, encode_state, get_transform
 
 NAMES = list(TRANSFORMS)
@@ -60,7 +61,8 @@ def roundtrip(v, name, rounding="rne", seed=0):
 @pytest.mark.parametrize("first_moment", ["direct", "normalized"])
 def test_states_are_packed_nvfp4_fields(first_moment):
     p = torch.nn.Parameter(randn(64, 256))
-    opt = AdamW4([p], transform="sqrt", state_rounding="rne", first_moment=first_moment)
+    opt = AdamW4([p], transform="sqrt", state_rounding="rne", first_moment=first_moment,
+                 scaling="current")
     g = randn(64, 256, seed=1)
     p.grad = g
     opt.step()
@@ -100,10 +102,10 @@ def test_state_bytes_are_1_125_per_param_for_large_matrices(transform):
     p.grad = randn(256, 256, seed=1)
     opt.step()
     n = p.numel()
-    # m and v: n/2 code bytes and n/16 scale bytes each, two fp32 amax, the fp32 step counter;
-    # rank1 adds an fp32 mean per row and per column.
+    # m and v: n/2 code bytes and n/16 scale bytes each, two fp32 amaxes each (the current and
+    # the next), the fp32 step counter; rank1 adds an fp32 root per row and per column.
     extra = 4 * (256 + 256) if transform == "rank1" else 0
-    assert opt.state_bytes() == n * 1.125 + 8 + 4 + extra
+    assert opt.state_bytes() == n * 1.125 + 16 + 4 + extra
     assert opt.state_bytes() / n < 1.16
 
 
@@ -120,8 +122,8 @@ def test_small_odd_and_1d_tensors_keep_fp32_states():
             assert s["exp_avg"].dtype == torch.float32 and s["exp_avg"].shape == p.shape
             assert s["exp_avg_sq"].dtype == torch.float32 and "exp_avg_data" not in s
     fp32 = sum(8 * p.numel() + 4 for k, p in params.items() if k != "big")
-    rank1 = 4 * (64 + 128)  # the default transform's fp32 row and column means
-    assert opt.state_bytes() == fp32 + 64 * 128 * 1.125 + 8 + 4 + rank1
+    rank1 = 4 * (64 + 128)  # the default transform's fp32 row and column roots
+    assert opt.state_bytes() == fp32 + 64 * 128 * 1.125 + 16 + 4 + rank1
 
 
 # ---- transforms -----------------------------------------------------------------------------
@@ -455,6 +457,7 @@ def stale_run(rounding, steps=300, lr=1e-3):
     for name in ("exp_avg", "exp_avg_sq"):
         for field in ("data", "scales", "amax"):
             state[f"{name}_{field}"] = getattr(ones, field)
+        state[f"{name}_next_amax"] = HEADROOM * ones.amax
     start = p.detach().clone()
     grad = torch.ones(64, 64)
     grad[:, 1::2] = 0

@@ -32,9 +32,9 @@ from ..formats.tensor import BLOCK, NVFP4Tensor
 from .state_transforms import (
     TRANSFORMS,
     Transform,
-    decode_state,
     encode_state,
     get_transform,
+    read_state,
     safe_divide,
     sqrt_rn,
 )
@@ -42,8 +42,14 @@ from .state_transforms import (
 DEFAULT_TRANSFORM = "rank1"
 DEFAULT_ROUNDING = "stochastic"
 DEFAULT_FIRST_MOMENT = "normalized"
+DEFAULT_SCALING = "delayed"
 _ROUNDINGS = ("stochastic", "rne")
 _FIRST_MOMENTS = ("normalized", "direct")
+_SCALINGS = ("delayed", "current")
+# Delayed scaling encodes a moment with HEADROOM x the amax its stored form had at the previous
+# step (a power of two: the product is exact), so it may grow by that much in a step before
+# its largest blocks saturate.
+HEADROOM = 2.0
 # transform="none" keeps every state in fp32: AdamW4 then computes exactly what torch's AdamW does.
 _NONE = "none"
 # The NVFP4 fields of a quantized moment, kept as separate state tensors.
@@ -95,16 +101,16 @@ def quantized_update(
     one rounding; scalars are Python floats rounded to float32), so that it gives the same bits
     on every device and the fused kernel (fp4stack/kernels/adamw4.py) repeats it exactly:
     torch's lerp_, addcmul_ and addcdiv_ may contract to FMAs depending on the device and the
-    build, and CUDA divides by a host scalar as a multiplication by its reciprocal (hence the
-    device tensor below). The order otherwise follows torch's CPU kernels.
+    build. The order follows torch's CPU kernels, except that sqrt(v) is multiplied by the
+    reciprocal of the bias correction (one division per element fewer in the kernel).
     """
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     exp_avg.add_((grad - exp_avg) * (1 - beta1))
     exp_avg_sq.mul_(beta2).add_((grad * (1 - beta2)) * grad)
     bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = torch.tensor((1 - beta2**step) ** 0.5, device=param.device)
-    denom = (sqrt_rn(exp_avg_sq) / bias_correction2_sqrt).add_(eps)
+    inv_bias_correction2_sqrt = 1.0 / (1 - beta2**step) ** 0.5
+    denom = (sqrt_rn(exp_avg_sq) * inv_bias_correction2_sqrt).add_(eps)
     param.add_((exp_avg * -(lr / bias_correction1)) / denom)
 
 
@@ -137,6 +143,13 @@ class AdamW4(torch.optim.Optimizer):
             lost; reproducible: the seed depends on `seed`, the parameter's index in the groups
             and the step) or "rne" (round to nearest; small increments vanish, states go stale).
         first_moment: "normalized" (store m / sqrt(v)) or "direct" (store m).
+        scaling: how each moment's NVFP4 tensor scale (its amax) is set. "delayed": HEADROOM
+            (2) times the amax its stored form had at the previous step (the first step
+            measures its own), kept in `<moment>_next_amax`, so the fused step needs no pass
+            to find it first. A stored moment that grows more than that in one step saturates
+            its largest blocks for that step: m / sqrt(v) then makes a smaller step, and a v
+            read back smaller is bounded by m being stored over its root. "current": the amax
+            of the stored form itself, a global reduction before each quantization.
         min_numel: tensors smaller than this keep fp32 states.
         seed: base seed of the stochastic rounding.
         fused: run the quantized states of a group in one fused Triton step
@@ -167,6 +180,7 @@ class AdamW4(torch.optim.Optimizer):
         transform: str = DEFAULT_TRANSFORM,
         state_rounding: str = DEFAULT_ROUNDING,
         first_moment: str = DEFAULT_FIRST_MOMENT,
+        scaling: str = DEFAULT_SCALING,
         min_numel: int = 4096,
         seed: int = 0,
         maximize: bool = False,
@@ -186,7 +200,8 @@ class AdamW4(torch.optim.Optimizer):
         self._step_views: dict = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         transform=transform, state_rounding=state_rounding,
-                        first_moment=first_moment, min_numel=min_numel, seed=seed)
+                        first_moment=first_moment, scaling=scaling, min_numel=min_numel,
+                        seed=seed)
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -325,9 +340,9 @@ class AdamW4(torch.optim.Optimizer):
         if quantized:
             transform = get_transform(group["transform"])
             exp_avg = dequantize(_nvfp4(state, "exp_avg", p.shape))
-            exp_avg_sq = _read_v(state, transform, p.shape)
+            exp_avg_sq, root = _read_v(state, transform, p.shape)
             if group["first_moment"] == "normalized":
-                exp_avg = exp_avg * sqrt_rn(exp_avg_sq)
+                exp_avg = exp_avg * root
         else:
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
 
@@ -338,17 +353,47 @@ class AdamW4(torch.optim.Optimizer):
                group["eps"], group["weight_decay"])
         if p32 is not p:
             p.copy_(p32)
-
         if quantized:
-            spec = QuantSpec(rounding=group["state_rounding"], nan_policy="propagate")
-            seed = state_seed(group["seed"], index, int(step), 1)
-            stored_v = _encode_v(state, transform, exp_avg_sq)
-            _store(state, "exp_avg_sq", quantize(stored_v, spec=spec, seed=seed))
-            if group["first_moment"] == "normalized":
-                # Divided by the v the next step will read back, so m round-trips exactly.
-                exp_avg = safe_divide(exp_avg, sqrt_rn(_read_v(state, transform, p.shape)))
-            seed = state_seed(group["seed"], index, int(step), 0)
-            _store(state, "exp_avg", quantize(exp_avg, spec=spec, seed=seed))
+            self._store_moments(state, group, index, int(step), transform, exp_avg, exp_avg_sq)
+
+    def _store_moments(self, state: dict[str, Tensor], group: dict[str, Any], index: int,
+                       step: int, transform: Transform, m: Tensor, v: Tensor) -> None:
+        """Quantize the new moments into `state`: v through its transform, then m (normalized:
+        over the root of the v the next step reads back, so that m round-trips exactly)."""
+        spec = QuantSpec(rounding=group["state_rounding"], nan_policy="propagate")
+        normalized = group["first_moment"] == "normalized"
+        # Delayed scaling: the amaxes of the previous step's stored moments, times HEADROOM. The
+        # first step has none and calibrates on its own: v's stored form, and m over the root
+        # of v as it is (the v read back needs v's amax first).
+        delayed = group["scaling"] == "delayed"
+        calibrate = delayed and step == 1
+        stored_v, factors = encode_state(v, transform)
+        amax_v = _amax(stored_v)
+        if factors is not None:
+            state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
+        if delayed:
+            scale_v = HEADROOM * amax_v if calibrate else state["exp_avg_sq_next_amax"]
+            state["exp_avg_sq_next_amax"] = HEADROOM * amax_v
+        else:
+            scale_v = amax_v
+        seed = state_seed(group["seed"], index, step, 1)
+        _store(state, "exp_avg_sq", quantize(stored_v, spec=spec, amax=scale_v, seed=seed))
+
+        stored_m = m
+        if normalized:
+            _, root = _read_v(state, transform, m.shape)
+            stored_m = safe_divide(m, root)
+        amax_m = _amax(stored_m)
+        if delayed:
+            if calibrate:
+                scale_m = HEADROOM * _amax(safe_divide(m, sqrt_rn(v)) if normalized else m)
+            else:
+                scale_m = state["exp_avg_next_amax"]
+            state["exp_avg_next_amax"] = HEADROOM * amax_m
+        else:
+            scale_m = amax_m
+        seed = state_seed(group["seed"], index, step, 0)
+        _store(state, "exp_avg", quantize(stored_m, spec=spec, amax=scale_m, seed=seed))
 
     def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Tensor]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -361,7 +406,12 @@ class AdamW4(torch.optim.Optimizer):
         _store(state, "exp_avg", quantize(zeros))
         # v = 0 is stored as encode(0), which is not 0 for every transform (rsqrt: 1 / c).
         transform = get_transform(group["transform"])
-        _store(state, "exp_avg_sq", quantize(_encode_v(state, transform, zeros)))
+        stored_v, factors = encode_state(zeros, transform)
+        if factors is not None:
+            state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
+        _store(state, "exp_avg_sq", quantize(stored_v))
+        for name in _MOMENTS:  # delayed scaling's amaxes: none seen yet
+            state[f"{name}_next_amax"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict; NVFP4 fields and fp32 states keep their dtypes.
@@ -371,6 +421,8 @@ class AdamW4(torch.optim.Optimizer):
         so the loaded states are put back as saved.
         """
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # saved before the option existed
+            group.setdefault("scaling", DEFAULT_SCALING)
         self._spares.clear()
         self._plans.clear()
         self._step_views.clear()
@@ -384,6 +436,7 @@ class AdamW4(torch.optim.Optimizer):
                 }
                 # torch keeps "step" on the CPU unless capturable; so do we.
                 self.state[p]["step"] = self.state[p]["step"].cpu()
+                _upgrade_state(self.state[p])
 
     def state_bytes(self) -> int:
         """Bytes held by the states: NVFP4 data, scales and amax, fp32 fallbacks, step counters."""
@@ -420,6 +473,8 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(
             f"first_moment must be one of {_FIRST_MOMENTS}, got {group['first_moment']!r}"
         )
+    if group.get("scaling", DEFAULT_SCALING) not in _SCALINGS:
+        raise ValueError(f"scaling must be one of {_SCALINGS}, got {group['scaling']!r}")
     if not isinstance(group["min_numel"], int) or group["min_numel"] < 0:
         raise ValueError(f"min_numel must be an int >= 0, got {group['min_numel']!r}")
     if not isinstance(group["seed"], int) or group["seed"] < 0:
@@ -433,7 +488,7 @@ def _interpreted() -> bool:
 def _unfusable_group(group: dict[str, Any]) -> str | None:
     """Why the fused step cannot run this group's settings, or None."""
     wanted = {"transform": DEFAULT_TRANSFORM, "state_rounding": DEFAULT_ROUNDING,
-              "first_moment": DEFAULT_FIRST_MOMENT}
+              "first_moment": DEFAULT_FIRST_MOMENT, "scaling": DEFAULT_SCALING}
     for name, value in wanted.items():
         if group[name] != value:
             return f"the fused step implements only {name}={value!r}, got {group[name]!r}"
@@ -451,18 +506,30 @@ def _nvfp4(state: dict[str, Tensor], name: str, shape: torch.Size) -> NVFP4Tenso
     )
 
 
-def _read_v(state: dict[str, Tensor], transform: Transform, shape: torch.Size) -> Tensor:
+def _read_v(state: dict[str, Tensor], transform: Transform, shape: torch.Size
+            ) -> tuple[Tensor, Tensor]:
+    """v as stored in `state`, and its square root (state_transforms.read_state)."""
     factors = None
     if transform.factored:
         factors = (state["exp_avg_sq_row"], state["exp_avg_sq_col"])
-    return decode_state(_nvfp4(state, "exp_avg_sq", shape), transform, factors)
+    return read_state(_nvfp4(state, "exp_avg_sq", shape), transform, factors)
 
 
-def _encode_v(state: dict[str, Tensor], transform: Transform, v: Tensor) -> Tensor:
-    stored, factors = encode_state(v, transform)
-    if factors is not None:
-        state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
-    return stored
+def _upgrade_state(state: dict[str, Tensor]) -> None:
+    """A quantized state saved before delayed scaling (no `<moment>_next_amax`; rank-1 factors
+    kept as means, not their roots) in the current layout: the factors' roots, and the saved
+    amaxes (those of the last stored moments) times HEADROOM as the next ones."""
+    if "exp_avg_data" not in state or "exp_avg_next_amax" in state:
+        return
+    if "exp_avg_sq_row" in state:
+        for key in ("exp_avg_sq_row", "exp_avg_sq_col"):
+            state[key] = state[key].double().sqrt().float()
+    for name in _MOMENTS:
+        state[f"{name}_next_amax"] = HEADROOM * state[f"{name}_amax"]
+
+
+def _amax(x: Tensor) -> Tensor:
+    return x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
 
 
 def _store(state: dict[str, Tensor], name: str, q: NVFP4Tensor) -> None:

@@ -22,15 +22,17 @@ v, a larger step, which is why rsqrt is kept only as a measured counter-example.
 | "rank1" | sqrt(v / n)       | 144x around n          | what the rank-1 estimate n misses   |
 
 "rank1" (after lpmm's rank-1 normalisation, with Adafactor's estimate) divides v by the outer
-product n = R C^T / mean(v) of its row and column means, kept in fp32 (4 bytes per row and per
-column): the separable part of v (a gradient delta x^T has v ~ delta^2 x^2, spanning as many
-decades along a block as the inputs x do, and across rows as the rows' gradients do) never
-reaches the quantizer. Measured in benchmarks/study_adamw4_transforms.py (see adamw4.py).
+product n = R C^T / mean(v) of its row and column means, whose square roots it keeps in fp32
+(4 bytes per row and per column): the separable part of v (a gradient delta x^T has
+v ~ delta^2 x^2, spanning as many decades along a block as the inputs x do, and across rows as
+the rows' gradients do) never reaches the quantizer. It stores sqrt(v) x (1 / sqrt(n)) and
+reads the root of v back as stored x sqrt(n), so decoding rounds no square root of its own.
+Measured in benchmarks/study_adamw4_transforms.py (see adamw4.py).
 
 Rounding is pinned down so that the fused Triton step (fp4stack/kernels/adamw4.py) gives the same
-bits: square roots are correctly rounded (`sqrt_rn`), and the rank-1 factors come from float64
-sums with float64 divisions rounded once to float32, so the order in which the kernel adds its
-tiles does not show (in practice: see `rank1_factors`).
+bits: square roots are correctly rounded (`sqrt_rn`), and the roots of the rank-1 factors come
+from float64 sums through float64 operations rounded once to float32, so the order in which the
+kernel adds its tiles does not show (in practice: see `rank1_roots`).
 """
 
 from __future__ import annotations
@@ -109,28 +111,38 @@ def decode_rsqrt(stored: Tensor) -> Tensor:
     return root * root
 
 
-def rank1_factors(v: Tensor) -> tuple[Tensor, Tensor]:
-    """Row and column means of v viewed as [rows, K] (leading dims flattened), rows scaled by
-    1 / mean(v) so that `rank1_estimate` is their outer product (0 where v is all zero).
+def _roots(f: Tensor) -> tuple[Tensor, Tensor]:
+    """sqrt(f) and 1 / sqrt(f) of a float64 factor, each rounded once to float32 (0 and 0 where
+    f is 0)."""
+    root = f.sqrt()
+    positive = root > 0
+    inv = torch.where(positive, 1.0 / torch.where(positive, root, torch.ones_like(root)), 0.0)
+    return root.float(), inv.float()
 
-    The sums are float64, and the means and the ratio float64 products rounded once to float32:
-    a float32 sum depends on its order, while float64 sums of float32 values round to the same
-    float32 factors in any order in practice (an error of ~1e-16 relative would have to straddle
-    a float32 rounding boundary), so the fused kernel, which adds tiles atomically in whatever
-    order they finish, gets the same factors. Means multiply by the reciprocal of the count
-    (each op rounded once, the same on every device; the kernel saves a float64 division per
-    element that way).
+
+def rank1_roots(v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Square roots of the rank-1 factors of v viewed as [rows, K] (leading dims flattened), and
+    their reciprocals: (row_root, row_inv, col_root, col_inv), float32, 0 where a factor is 0.
+
+    The factors are Adafactor's: row means over the total mean, and column means, so that the
+    estimate of v is their outer product and its square root the outer product of the roots.
+    The sums are float64, and the means, ratio, roots and reciprocals float64 operations, each
+    root and reciprocal rounded once to float32: a float32 sum depends on its order, while
+    float64 sums of float32 values round to the same float32 roots in any order in practice (an
+    error of ~1e-16 relative would have to straddle a float32 rounding boundary), so the fused
+    kernel, which adds tiles atomically in whatever order they finish, gets the same ones. Means
+    multiply by the reciprocal of the count (each op rounded once, the same on every device).
     """
     v2 = v.reshape(-1, v.shape[-1]).double()
     rows, k = v2.shape
     total = v2.sum() * (1.0 / (rows * k))
     inv_total = 1.0 / torch.where(total > 0, total, torch.ones_like(total))
     row = (v2.sum(dim=1) * (1.0 / k)) * inv_total
-    return row.float(), (v2.sum(dim=0) * (1.0 / rows)).float()
+    return (*_roots(row), *_roots(v2.sum(dim=0) * (1.0 / rows)))
 
 
-def rank1_estimate(row: Tensor, col: Tensor, shape: torch.Size) -> Tensor:
-    """Adafactor's rank-1 estimate of v from its factors, in v's shape."""
+def outer(row: Tensor, col: Tensor, shape: torch.Size) -> Tensor:
+    """row x col^T (float32 products) in the shape of the [rows, K]-viewed tensor."""
     return (row[:, None] * col[None, :]).reshape(shape)
 
 
@@ -145,7 +157,8 @@ def safe_divide(x: Tensor, d: Tensor) -> Tensor:
 class Transform:
     """A named encode/decode pair for the second moment.
 
-    factored: encode/decode apply to v / rank1_estimate(v), whose factors the caller keeps.
+    factored: the stored value is encode(v / n) for v's rank-1 estimate n (computed through the
+    roots of its factors, which the caller keeps: see encode_state).
     """
 
     name: str
@@ -198,19 +211,30 @@ Factors = tuple[Tensor, Tensor] | None
 
 
 def encode_state(v: Tensor, transform: Transform) -> tuple[Tensor, Factors]:
-    """The tensor to quantize for v (fp32), and a factored transform's fp32 rank-1 factors."""
+    """The tensor to quantize for v (fp32), and a factored transform's fp32 roots of the rank-1
+    factors (row_root, col_root), kept to decode it: sqrt(v) over the root of the estimate."""
     if not transform.factored:
         return transform.encode(v), None
-    row, col = rank1_factors(v)
-    return transform.encode(safe_divide(v, rank1_estimate(row, col, v.shape))), (row, col)
+    row_root, row_inv, col_root, col_inv = rank1_roots(v)
+    return sqrt_rn(v) * outer(row_inv, col_inv, v.shape), (row_root, col_root)
+
+
+def read_state(q: NVFP4Tensor, transform: Transform, factors: Factors = None
+               ) -> tuple[Tensor, Tensor]:
+    """v (fp32) from its quantized stored form, and its square root: exact zeros lifted to their
+    block's floor, then the inverse transform. A factored transform's root is the stored value
+    times the root of the estimate (no square root to round) and v its square; the others' root
+    is sqrt_rn(v)."""
+    x = floor_zeros(dequantize(q), block_floor(q))
+    if not transform.factored:
+        v = transform.decode(x)
+        return v, sqrt_rn(v)
+    if factors is None:
+        raise ValueError(f"transform {transform.name!r} needs its rank-1 factors to decode")
+    root = x * outer(*factors, q.shape)
+    return root * root, root
 
 
 def decode_state(q: NVFP4Tensor, transform: Transform, factors: Factors = None) -> Tensor:
-    """v (fp32) from its quantized stored form: exact zeros lifted to their block's floor, the
-    inverse transform, then (factored transforms) times the rank-1 estimate."""
-    v = transform.decode(floor_zeros(dequantize(q), block_floor(q)))
-    if transform.factored:
-        if factors is None:
-            raise ValueError(f"transform {transform.name!r} needs its rank-1 factors to decode")
-        v = v * rank1_estimate(*factors, q.shape)
-    return v
+    """v (fp32) from its quantized stored form (see read_state)."""
+    return read_state(q, transform, factors)[0]

@@ -10,6 +10,7 @@ of a few parameters ("fused == reference"). On the CPU the fused step runs only 
 interpreter (TRITON_INTERPRET=1, very slow: use a small --params); otherwise its row is skipped.
 
     python benchmarks/bench_optim.py [--params 100e6] [--device cuda] [--out results.json]
+    python benchmarks/bench_optim.py --sweep           # the fused step's time per kernel tiling
     python benchmarks/bench_optim.py --compile-check   # sm_90 compile + ptxas registers, no GPU
 """
 
@@ -92,12 +93,15 @@ def compile_check() -> list[str]:
         for decay in ((True, False) if pass_ == kernels.STEP.value else (False,)):
             types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64", sums_ptr="*fp64",
                          inv_ptr="*fp32", seed_hash="i32", step="i32")
-            consts = dict(PASS=pass_, DECAY=decay, BM=kernels.BM, KB=kernels.KB)
-            build = compile_sm90(kernels.adamw4_kernel, types, consts,
-                                 num_warps=kernels.NUM_WARPS, default="fp32")
+            sums = pass_ == kernels.SUMS.value
+            bm, kb, warps = ((kernels.SUMS_BM, kernels.SUMS_KB, kernels.SUMS_WARPS) if sums
+                             else (kernels.BM, kernels.KB, kernels.NUM_WARPS))
+            consts = dict(PASS=pass_, DECAY=decay, BM=bm, KB=kb)
+            build = compile_sm90(kernels.adamw4_kernel, types, consts, num_warps=warps,
+                                 default="fp32")
             per = ""
             if build.sass_instructions is not None:  # elements per thread of a program
-                per_thread = kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS)
+                per_thread = bm * kb * 16 // (32 * warps)
                 per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
             lines.append(f"adamw4 pass {name} decay={decay}: {build.describe()}{per}")
             print(lines[-1])
@@ -110,6 +114,29 @@ def compile_check() -> list[str]:
     return lines
 
 
+# (BM, KB, warps) of the step pass, then of the sums pass, timed by --sweep.
+SWEEP = (((8, 8, 4), (32, 8, 4)), ((16, 8, 4), (32, 8, 4)), ((8, 16, 4), (32, 8, 4)),
+         ((16, 8, 8), (32, 8, 4)), ((4, 8, 2), (32, 8, 4)), ((8, 8, 4), (64, 8, 8)),
+         ((8, 8, 4), (16, 8, 4)), ((8, 8, 4), (8, 8, 4)))
+
+
+def sweep(params: list[torch.nn.Parameter], device: torch.device, reps: int) -> None:
+    """Time the fused AdamW4 step for each tiling of SWEEP (module constants of the kernel)."""
+    defaults = (kernels.BM, kernels.KB, kernels.NUM_WARPS, kernels.SUMS_BM, kernels.SUMS_KB,
+                kernels.SUMS_WARPS)
+    print("| step tile (BM, KB, warps) | sums tile | step ms |\n|---|---|---:|")
+    for step_tile, sums_tile in SWEEP:
+        (kernels.BM, kernels.KB, kernels.NUM_WARPS), (
+            kernels.SUMS_BM, kernels.SUMS_KB, kernels.SUMS_WARPS) = step_tile, sums_tile
+        opt = AdamW4(params, lr=1e-3, fused=True)
+        opt.step()
+        opt.step()
+        print(f"| {step_tile} | {sums_tile} | {time_step(opt, device, reps):.3f} |")
+        del opt
+    (kernels.BM, kernels.KB, kernels.NUM_WARPS, kernels.SUMS_BM, kernels.SUMS_KB,
+     kernels.SUMS_WARPS) = defaults
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=100e6, help="total parameters (default 100M)")
@@ -119,6 +146,8 @@ def main() -> None:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--profile", action="store_true",
                    help="also print the CUDA time of each kernel of one AdamW4 and Muon4 step")
+    p.add_argument("--sweep", action="store_true",
+                   help="only time the fused AdamW4 step for several kernel tilings (CUDA)")
     p.add_argument("--compile-check", action="store_true",
                    help="only compile the fused AdamW4 kernel for sm_90 (no GPU needed)")
     args = p.parse_args()
@@ -132,6 +161,10 @@ def main() -> None:
         q.grad = torch.randn_like(q) * 1e-3
     n = sum(q.numel() for q in params)
     cuda = device.type == "cuda"
+    if args.sweep:
+        print(f"{n / 1e6:.1f}M parameters in {len(params)} matrices, device {device}")
+        sweep(params, device, args.reps)
+        return
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     makers = {
         "torch AdamW (fused)" if cuda else "torch AdamW": lambda: torch.optim.AdamW(

@@ -56,10 +56,15 @@ from ..optim.adamw4 import HEADROOM
 from . import nvfp4_jit as jit
 from .nvfp4 import _launch_options
 
-# Tile of one program: BM rows x KB blocks of 16 (1024 elements), and its warps.
+# Tile of one program of the step and calibrate passes: BM rows x KB blocks of 16 (1024
+# elements), and its warps; and of the sums pass, whose column sums are atomics per tile (fewer,
+# larger tiles: fewer atomics and cross-thread reductions per element).
 BM = 8
 KB = 8
 NUM_WARPS = 4
+SUMS_BM = 32
+SUMS_KB = 8
+SUMS_WARPS = 4
 # Rows and columns per program of the factors launch.
 LINE = 1024
 
@@ -83,12 +88,14 @@ _OLD = tl.constexpr(1)
 _NEW = tl.constexpr(1 + len(FIELDS))
 _ROWS = tl.constexpr(1 + len(FIELDS) + len(SMALL))
 _COLS = tl.constexpr(_ROWS + 1)
-_TILE0 = tl.constexpr(_ROWS + 2)  # first program of this tensor in the tile work list
-_COL_TILES = tl.constexpr(_ROWS + 3)
-_SCRATCH = tl.constexpr(_ROWS + 4)  # offset of its sums (and reciprocal roots) in the scratch
-_INDEX = tl.constexpr(_ROWS + 5)  # the parameter's index in the optimizer (rounding seeds)
-_LINE0 = tl.constexpr(_ROWS + 6)  # first program of this tensor in the line work list
-NMETA = tl.constexpr(_ROWS + 7)
+_SCRATCH = tl.constexpr(_ROWS + 2)  # offset of its sums (and reciprocal roots) in the scratch
+_INDEX = tl.constexpr(_ROWS + 3)  # the parameter's index in the optimizer (rounding seeds)
+_LINE0 = tl.constexpr(_ROWS + 4)  # first program of this tensor in the line work list
+# First program of this tensor in a tile work list and its tiles per row of tiles: for the
+# step tiles, then for the sums tiles.
+_TILE0 = tl.constexpr(_ROWS + 5)
+_COL_TILES = tl.constexpr(_ROWS + 6)
+NMETA = tl.constexpr(_ROWS + 9)
 # Field offsets inside the state group, in the order of FIELDS, and inside the spare group, in
 # the order of SMALL.
 _MD, _MS, _MA, _MN, _VD, _VS, _VA, _VN, _ROW, _COL = (tl.constexpr(i) for i in range(10))
@@ -222,8 +229,9 @@ def adamw4_kernel(
     # int32 offsets (the host fuses tensors of < 2**31 elements only); K is a multiple of 16.
     R = tl.load(meta + _ROWS).to(tl.int32)
     K = tl.multiple_of(tl.load(meta + _COLS).to(tl.int32), 16)
-    tile = (pid - tl.load(meta + _TILE0)).to(tl.int32)
-    col_tiles = tl.load(meta + _COL_TILES).to(tl.int32)
+    tiling = meta + (2 if PASS == SUMS else 0)  # the sums pass's tiles, or the others'
+    tile = (pid - tl.load(tiling + _TILE0)).to(tl.int32)
+    col_tiles = tl.load(tiling + _COL_TILES).to(tl.int32)
     tr = tile // col_tiles
     tc = tile % col_tiles
     rows = tr * BM + tl.arange(0, BM)
@@ -365,28 +373,32 @@ class _Plan:
     def __init__(self, params: list[Tensor], states: list[dict], spares: list[dict],
                  indices: list[int]) -> None:
         device = params[0].device
-        tiles, lines, table = [], [], []
-        tile0 = line0 = scratch = 0
+        self.tilings = ((BM, KB), (SUMS_BM, SUMS_KB))
+        counts: list[list[int]] = [[], [], []]  # step tiles, sums tiles, lines per tensor
+        starts = [0, 0, 0]
+        table = []
+        scratch = 0
         for p, state, spare, index in zip(params, states, spares, indices, strict=True):
             k = p.shape[-1]
             r = p.numel() // k
-            col_tiles = triton.cdiv(k // BLOCK, KB)
-            n = triton.cdiv(r, BM) * col_tiles
             tensors = [p, *(state[f] for f in FIELDS), *(spare[f] for f in SMALL)]
             ptrs = [t.data_ptr() for t in tensors]
             if (any(ptr % 16 for ptr in ptrs) or p.numel() >= 2**31
                     or not all(t.is_contiguous() for t in tensors)):
                 raise ValueError("the fused AdamW4 step needs contiguous 16-byte aligned tensors "
                                  "of fewer than 2**31 elements")
-            table.append([*ptrs, r, k, tile0, col_tiles, scratch, index, line0])
-            tiles.append(n)
-            lines.append(triton.cdiv(r + k, LINE))
-            tile0 += n
-            line0 += lines[-1]
+            col_tiles = [triton.cdiv(k // BLOCK, kb) for _, kb in self.tilings]
+            n = [triton.cdiv(r, bm) * c for (bm, _), c in zip(self.tilings, col_tiles,
+                                                               strict=True)]
+            n.append(triton.cdiv(r + k, LINE))
+            table.append([*ptrs, r, k, scratch, index, starts[2],
+                          starts[0], col_tiles[0], starts[1], col_tiles[1]])
+            for i in range(3):
+                counts[i].append(n[i])
+                starts[i] += n[i]
             scratch += r + k + 1  # row sums, column sums, the total
         self.meta = torch.tensor(table, dtype=torch.int64, device=device)
-        self.work = _work_list(tiles, device)
-        self.line_work = _work_list(lines, device)
+        self.work, self.sums_work, self.line_work = (_work_list(c, device) for c in counts)
         self.device = device
         self.scratch_numel = scratch
         self.keep = [params, [dict(s) for s in states], [dict(s) for s in spares]]
@@ -426,6 +438,8 @@ def fused_step(
     """
     key = plan_key(states, indices)
     plan = cache.get(key)
+    if plan is not None and plan.tilings != ((BM, KB), (SUMS_BM, SUMS_KB)):  # tiles changed
+        plan = None
     if plan is None:
         if len(cache) >= 8:  # stale plans (another grad pattern, a reload): drop them all
             cache.clear()
@@ -446,7 +460,9 @@ def fused_step(
             seed_hash - (1 << 32) if seed_hash >= 1 << 31 else seed_hash, step)
     options = dict(BM=BM, KB=KB, num_warps=NUM_WARPS, **_launch_options())
     grid = (plan.work.numel(),)
-    adamw4_kernel[grid](*args, PASS=SUMS.value, DECAY=False, **options)
+    adamw4_kernel[(plan.sums_work.numel(),)](
+        plan.sums_work, *args[1:], PASS=SUMS.value, DECAY=False, BM=SUMS_BM, KB=SUMS_KB,
+        num_warps=SUMS_WARPS, **_launch_options())
     adamw4_factors_kernel[(plan.line_work.numel(),)](plan.line_work, plan.meta, sums, inv,
                                                      LINE=LINE, **_launch_options())
     if step == 1:  # no previous amaxes: the step's own (see the module docstring)

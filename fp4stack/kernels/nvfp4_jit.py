@@ -98,16 +98,13 @@ def e2m1_rne_value(y):
 
 
 @triton.jit
-def e2m1_magnitude(mag):
-    """float32 value of a magnitude code 0..7."""
-    big = tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32))
-    return tl.where(mag < 4, mag.to(tl.float32) * 0.5, big)
-
-
-@triton.jit
 def e2m1_value(code):
-    # The sign goes in by bits: `-v` may compile to 0 - v, which loses the sign of -0.0.
-    v = e2m1_magnitude(code & 7).to(tl.int32, bitcast=True)
+    """float32 value of an E2M1 code (int32), built from its bits: magnitude codes 2..7 are
+    2**(e - 1) x (1 + m / 2) with e, m = code >> 1, code & 1, whose float32 bits are
+    (code << 22) + bits(0.5); codes 0 and 1 are 0 and 0.5 = 1 x bits(0.5). The sign goes in by
+    bits too (`-v` may compile to 0 - v, which loses the sign of -0.0)."""
+    mag = code & 7
+    v = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
     return (v | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 

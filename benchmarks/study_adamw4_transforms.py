@@ -133,7 +133,9 @@ TASKS: dict[str, tuple[Task, float]] = {
 def train(task: str, seed: int, steps: int, optimizer: str) -> tuple[float, float]:
     """Final eval loss and state bytes per parameter of one run.
 
-    optimizer: "fp32" (torch AdamW), or "transform/state_rounding/first_moment" for AdamW4.
+    optimizer: "fp32" (torch AdamW), or "transform/state_rounding/first_moment[/scaling]" for
+    AdamW4, scaling "current" or "h<N>" (delayed with headroom N); AdamW4's default unless
+    given.
     """
     torch.manual_seed(seed)
     build, lr = TASKS[task]
@@ -142,10 +144,15 @@ def train(task: str, seed: int, steps: int, optimizer: str) -> tuple[float, floa
     if optimizer == "fp32":
         opt = torch.optim.AdamW(params, lr=lr, foreach=False)
     else:
-        transform, rounding, first = optimizer.split("/")
+        transform, rounding, first, *scaling = optimizer.split("/")
+        extra = {}
+        if scaling and scaling[0] == "current":
+            extra["scaling"] = "current"
+        elif scaling:
+            extra["headroom"] = float(scaling[0][1:])
         # min_numel=0: the tiny models stand in for big ones, so every matrix is quantized.
         opt = AdamW4(params, lr=lr, transform=transform, state_rounding=rounding,
-                     first_moment=first, min_numel=0, seed=seed)
+                     first_moment=first, min_numel=0, seed=seed, **extra)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     for step in range(steps):
@@ -166,10 +173,13 @@ def _run(job: tuple[str, int, int, str]) -> tuple[float, float]:
 
 
 def optimizers(transforms: list[str]) -> list[str]:
-    """fp32 AdamW, AdamW4 with fp32 states, then every transform x rounding x m storage."""
+    """fp32 AdamW, AdamW4 with fp32 states, then every transform x rounding x m storage (with
+    delayed scaling), then the default setting with other scalings."""
     names = ["fp32", "none/rne/direct"]
     for first in ("direct", "normalized"):
         names += [f"{t}/{r}/{first}" for t in transforms for r in ("stochastic", "rne")]
+    if "rank1" in transforms:
+        names += [f"rank1/stochastic/normalized/{s}" for s in ("h2", "h8", "current")]
     return names
 
 
@@ -206,9 +216,13 @@ def main() -> None:
         elif name.startswith("none/"):
             label = "AdamW4 | v (fp32) | - | m (fp32)"
         else:
-            t, r, first = name.split("/")
+            t, r, first, *scaling = name.split("/")
             m = "m / sqrt(v)" if first == "normalized" else "m"
-            label = f"AdamW4 | {t} | {r} | {m}"
+            how = ""
+            if scaling:
+                how = (", current scaling" if scaling[0] == "current"
+                       else f", headroom {scaling[0][1:]}")
+            label = f"AdamW4 | {t}{how} | {r} | {m}"
         bytes_per_param = out[tasks[0], seeds[0], args.steps, name][1]
         print(f"| {label} | {' | '.join(cells)} | {bytes_per_param:.3f} |")
 

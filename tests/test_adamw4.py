@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fp4stack
+import fp4stack.optim.adamw4 as adamw4_module
 from fp4stack.formats.tensor import NVFP4Tensor
 from fp4stack.optim import AdamW4
-from fp4stack.optim.adamw4 import HEADROOM
+from fp4stack.optim.adamw4 import DEFAULT_HEADROOM
 from fp4stack.optim.state_transforms import TRANSFORMS, decode_state, encode_state, get_transform
 
 NAMES = list(TRANSFORMS)
@@ -244,6 +245,108 @@ def test_weight_decay_is_decoupled(transform):
     assert torch.allclose(ours, init * 0.95**3)
 
 
+# ---- delayed scaling -------------------------------------------------------------------------
+
+
+def twin_scalings(steps, grads_at, shape=(64, 256), **options):
+    """A delayed-scaling and a current-scaling AdamW4 fed the same gradients; yields
+    (step, delayed state, current state, delayed param) after each step."""
+    params = params_like(randn(*shape), randn(*shape))
+    delayed = AdamW4([params[0]], min_numel=0, **options)
+    current = AdamW4([params[1]], min_numel=0, scaling="current", **options)
+    for step in range(1, steps + 1):
+        for p, opt in zip(params, (delayed, current), strict=True):
+            p.grad = grads_at(step)
+            opt.step()
+        yield step, delayed.state[params[0]], current.state[params[1]], params[0]
+
+
+@pytest.mark.parametrize("headroom", [2.0, 4.0])
+def test_delayed_scaling_encodes_with_headroom_times_the_previous_amax(headroom):
+    previous = None
+    runs = twin_scalings(4, lambda step: randn(64, 256, seed=step), headroom=headroom)
+    for step, delayed, current, _ in runs:
+        if step == 1:
+            # The first step calibrates on its own v: the same stored v as current scaling
+            # (same v, same rank-1 factors), encoded with headroom x its amax.
+            assert torch.equal(delayed["exp_avg_sq_amax"], headroom * current["exp_avg_sq_amax"])
+        else:
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(delayed[f"{name}_amax"], previous[f"{name}_next_amax"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            # The next amax is headroom x the largest stored value (up to its rounding): the
+            # stored codes dequantize to at most that over headroom, one grid step up.
+            stored = fp4stack.dequantize(NVFP4Tensor(
+                data=delayed[f"{name}_data"], scales=delayed[f"{name}_scales"],
+                amax=delayed[f"{name}_amax"], shape=torch.Size((64, 256)),
+                spec=fp4stack.QuantSpec()))
+            top = float(stored.abs().max()) * headroom
+            assert 0 < float(delayed[f"{name}_next_amax"]) <= 1.5 * top
+            assert float(delayed[f"{name}_next_amax"]) >= top / 1.5
+        previous = {k: v.clone() for k, v in delayed.items()}
+
+
+def test_a_gradient_spike_saturates_then_the_scale_catches_up():
+    # Steady gradients, then 1000x larger ones at scattered elements (a spike the rank-1
+    # estimate cannot absorb, as it would a spiking row or a lone element): the stored v
+    # exceeds headroom x its previous amax and saturates for that step. Everything stays
+    # finite, v is still read back positive, the step is no larger than Adam's bound, and the
+    # next step encodes with the spike's amax.
+    scattered = torch.rand(64, 256, generator=torch.Generator().manual_seed(5)) < 0.05
+
+    def grads(step):
+        g = randn(64, 256, seed=step)
+        if step == 6:
+            g[scattered] *= 1000
+        return g
+
+    before = None
+    for step, delayed, _, p in twin_scalings(7, grads, lr=1e-2):
+        if step == 5:
+            before = p.detach().clone()
+            next_v = delayed["exp_avg_sq_next_amax"].clone()
+        if step == 6:
+            assert torch.equal(delayed["exp_avg_sq_amax"], next_v)  # encoded with the old one
+            assert float(delayed["exp_avg_sq_next_amax"]) > 4 * float(next_v)  # saw the spike
+            moved = (p.detach() - before).abs()
+            # |m / sqrt(v)| <= (1 - b1) / sqrt(1 - b2) / sqrt(1 - b1^2 / b2) ~ 7.3 (no bias
+            # correction); with it (step 6), a few times more: bounded, not m / eps.
+            assert torch.isfinite(moved).all() and float(moved.max()) < 1e-2 * 20
+        if step == 7:
+            v, root = adamw4_module._read_v(delayed, get_transform("rank1"), p.shape)
+            assert torch.isfinite(v).all() and (v > 0).all()
+            assert torch.isfinite(p).all()
+
+
+def test_a_state_saved_before_delayed_scaling_loads_and_steps():
+    # The layout before delayed scaling: no next amaxes, rank-1 factors kept as means (not
+    # their roots). Loading converts it; the next step runs and is close to the current one.
+    shapes = [(64, 128)]
+    params = params_like(randn(64, 128))
+    opt = AdamW4(params, min_numel=0)
+    run(opt, params, grad_stream(shapes, 3))
+    saved = opt.state_dict()
+    old = {k: v.clone() for k, v in saved["state"][0].items()
+           if not k.endswith("_next_amax")}
+    old["exp_avg_sq_row"] = old["exp_avg_sq_row"] ** 2
+    old["exp_avg_sq_col"] = old["exp_avg_sq_col"] ** 2
+    groups = [{k: v for k, v in g.items() if k not in ("scaling", "headroom")}
+              for g in saved["param_groups"]]
+    restored = params_like(params[0].detach())
+    opt2 = AdamW4(restored, min_numel=0)
+    opt2.load_state_dict({"state": {0: old}, "param_groups": groups})
+    state = opt2.state[restored[0]]
+    assert opt2.param_groups[0]["scaling"] == "delayed"
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[f"{name}_next_amax"], DEFAULT_HEADROOM * state[f"{name}_amax"])
+    torch.testing.assert_close(state["exp_avg_sq_row"], saved["state"][0]["exp_avg_sq_row"])
+    g = randn(64, 128, seed=99)
+    for p, o in ((params[0], opt), (restored[0], opt2)):
+        p.grad = g.clone()
+        o.step()
+    torch.testing.assert_close(restored[0], params[0], rtol=0, atol=1e-5)
+
+
 # ---- the optimizer API ----------------------------------------------------------------------
 
 
@@ -334,6 +437,9 @@ def test_bf16_params_update_through_fp32():
     (dict(transform="cube"), "unknown transform"),
     (dict(state_rounding="floor"), "state_rounding"),
     (dict(first_moment="sign"), "first_moment"),
+    (dict(scaling="static"), "scaling"),
+    (dict(headroom=0.5), "headroom"),
+    (dict(headroom=float("inf")), "headroom"),
     (dict(min_numel=-1), "min_numel"),
     (dict(seed=-3), "seed"),
     (dict(amsgrad=True), "amsgrad"),
@@ -457,7 +563,7 @@ def stale_run(rounding, steps=300, lr=1e-3):
     for name in ("exp_avg", "exp_avg_sq"):
         for field in ("data", "scales", "amax"):
             state[f"{name}_{field}"] = getattr(ones, field)
-        state[f"{name}_next_amax"] = HEADROOM * ones.amax
+        state[f"{name}_next_amax"] = DEFAULT_HEADROOM * ones.amax
     start = p.detach().clone()
     grad = torch.ones(64, 64)
     grad[:, 1::2] = 0

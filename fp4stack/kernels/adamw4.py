@@ -52,7 +52,6 @@ from torch import Tensor
 
 from ..formats.random import lowbias32_int
 from ..formats.tensor import BLOCK
-from ..optim.adamw4 import HEADROOM
 from . import nvfp4_jit as jit
 from .nvfp4 import _launch_options
 
@@ -107,7 +106,6 @@ SUMS, CALIBRATE, STEP = (tl.constexpr(i) for i in range(3))
 _SALT = tl.constexpr(0x9E3779B9)  # formats/random.SEED_SALT
 _DEC = tl.constexpr(1.0 / (6.0 * 448.0))  # decode scale per unit of amax: 1 / (E2M1 x E4M3 max)
 _ZERO_SCALE_BOUND = tl.constexpr(12 * 2.0**-10)  # state_transforms._ZERO_SCALE_BOUND
-_HEADROOM = tl.constexpr(HEADROOM)
 
 
 @triton.jit
@@ -201,10 +199,10 @@ def _store_codes(data, scales, boff, soff, m4, bmask, code_lo, code_hi, sbits):
 
 
 @triton.jit
-def _next_amax(meta, col, lo, hi):
-    """Raise the amax field at table column `col` to HEADROOM x this tile's amax."""
+def _next_amax(meta, col, lo, hi, headroom):
+    """Raise the amax field at table column `col` to headroom x this tile's amax."""
     tile_max = tl.reduce(tl.reduce(jit.block_amax(lo, hi), 1, jit.max_nan), 0, jit.max_nan)
-    tl.atomic_max(_field(meta, col, tl.float32), tile_max * _HEADROOM)
+    tl.atomic_max(_field(meta, col, tl.float32), tile_max * headroom)
 
 
 @triton.jit
@@ -217,7 +215,7 @@ def _pair(ptr, col, K):
 @triton.jit(do_not_specialize=["seed_hash", "step"])
 def adamw4_kernel(
     work_ptr, meta_ptr, grad_ptrs, sums_ptr, inv_ptr,
-    decay, w1, beta2, w2, inv_bc2, eps, neg_step, seed_hash, step,
+    decay, w1, beta2, w2, inv_bc2, eps, neg_step, headroom, seed_hash, step,
     PASS: tl.constexpr, DECAY: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr,
 ):
     """One pass (SUMS, CALIBRATE or STEP, see the module docstring) over one tile of one tensor.
@@ -284,10 +282,10 @@ def adamw4_kernel(
         st_hi = tl.where(m8, root_hi * (inv_row * inv_hi), 0.0)
         if PASS == CALIBRATE:
             # The first step's amaxes: of stored v, and of m over the root of v as it is.
-            _next_amax(meta, _OLD + _VN, st_lo, st_hi)
+            _next_amax(meta, _OLD + _VN, st_lo, st_hi, headroom)
             n_lo = tl.where(m8, _safe_div(m_lo, root_lo), 0.0)
             n_hi = tl.where(m8, _safe_div(m_hi, root_hi), 0.0)
-            _next_amax(meta, _OLD + _MN, n_lo, n_hi)
+            _next_amax(meta, _OLD + _MN, n_lo, n_hi, headroom)
         else:
             pp = _field(meta, _P, tl.float32)
             p_lo = tl.load(pp + eoff, mask=m8, other=0.0)
@@ -321,8 +319,8 @@ def adamw4_kernel(
             k1, k2 = _keys(seed_hash, index, step32, 0)
             mc_lo, mc_hi, msbits = _quantize(n_lo, n_hi, amax_m, eoff, k1, k2)
             # The amaxes the next step encodes with, and the ones this step did.
-            _next_amax(meta, _NEW + _NVN, st_lo, st_hi)
-            _next_amax(meta, _NEW + _NMN, n_lo, n_hi)
+            _next_amax(meta, _NEW + _NVN, st_lo, st_hi, headroom)
+            _next_amax(meta, _NEW + _NMN, n_lo, n_hi, headroom)
             if tile == 0:
                 tl.store(_field(meta, _NEW + _NVA, tl.float32), amax_v)
                 tl.store(_field(meta, _NEW + _NMA, tl.float32), amax_m)
@@ -425,7 +423,7 @@ def plan_key(states: list[dict], indices: list[int]) -> tuple:
 def fused_step(
     params: list[Tensor], grads: list[Tensor], states: list[dict], spares: list[dict],
     indices: list[int], step: int, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, seed: int, cache: dict,
+    weight_decay: float, headroom: float, seed: int, cache: dict,
 ) -> None:
     """One AdamW4 step of float32 `params` whose states (rank1, NVFP4, delayed scaling) have
     all been stepped `step` times including this one; bit-exact with the reference step. The
@@ -456,7 +454,7 @@ def fused_step(
     seed_hash = lowbias32_int(seed ^ (seed >> 32))
     args = (plan.work, plan.meta, plan.grad_ptrs, sums, inv,
             1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, 1.0 / (1 - beta2**step) ** 0.5,
-            eps, -(lr / (1 - beta1**step)),
+            eps, -(lr / (1 - beta1**step)), headroom,
             seed_hash - (1 << 32) if seed_hash >= 1 << 31 else seed_hash, step)
     options = dict(BM=BM, KB=KB, num_warps=NUM_WARPS, **_launch_options())
     grid = (plan.work.numel(),)

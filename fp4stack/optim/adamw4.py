@@ -18,6 +18,7 @@ failure modes: v spanning decades inside a 16-block, and gradients spanning deca
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,10 +47,11 @@ DEFAULT_SCALING = "delayed"
 _ROUNDINGS = ("stochastic", "rne")
 _FIRST_MOMENTS = ("normalized", "direct")
 _SCALINGS = ("delayed", "current")
-# Delayed scaling encodes a moment with HEADROOM x the amax its stored form had at the previous
-# step (a power of two: the product is exact), so it may grow by that much in a step before
-# its largest blocks saturate.
-HEADROOM = 2.0
+# Delayed scaling encodes a moment with `headroom` x the amax its stored form had at the
+# previous step, so it may grow by that much in a step before its largest blocks saturate.
+# Chosen by measurement (docs/RESULTS.md): 2 saturated early in training (+3.4% val loss at step
+# 100 of the `small` preset), 4 tracked fp32 AdamW throughout.
+DEFAULT_HEADROOM = 4.0
 # transform="none" keeps every state in fp32: AdamW4 then computes exactly what torch's AdamW does.
 _NONE = "none"
 # The NVFP4 fields of a quantized moment, kept as separate state tensors.
@@ -143,13 +145,14 @@ class AdamW4(torch.optim.Optimizer):
             lost; reproducible: the seed depends on `seed`, the parameter's index in the groups
             and the step) or "rne" (round to nearest; small increments vanish, states go stale).
         first_moment: "normalized" (store m / sqrt(v)) or "direct" (store m).
-        scaling: how each moment's NVFP4 tensor scale (its amax) is set. "delayed": HEADROOM
-            (2) times the amax its stored form had at the previous step (the first step
+        scaling: how each moment's NVFP4 tensor scale (its amax) is set. "delayed":
+            `headroom` times the amax its stored form had at the previous step (the first step
             measures its own), kept in `<moment>_next_amax`, so the fused step needs no pass
             to find it first. A stored moment that grows more than that in one step saturates
             its largest blocks for that step: m / sqrt(v) then makes a smaller step, and a v
             read back smaller is bounded by m being stored over its root. "current": the amax
             of the stored form itself, a global reduction before each quantization.
+        headroom: delayed scaling's factor (>= 1; a power of two keeps the products exact).
         min_numel: tensors smaller than this keep fp32 states.
         seed: base seed of the stochastic rounding.
         fused: run the quantized states of a group in one fused Triton step
@@ -181,6 +184,7 @@ class AdamW4(torch.optim.Optimizer):
         state_rounding: str = DEFAULT_ROUNDING,
         first_moment: str = DEFAULT_FIRST_MOMENT,
         scaling: str = DEFAULT_SCALING,
+        headroom: float = DEFAULT_HEADROOM,
         min_numel: int = 4096,
         seed: int = 0,
         maximize: bool = False,
@@ -200,8 +204,8 @@ class AdamW4(torch.optim.Optimizer):
         self._step_views: dict = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         transform=transform, state_rounding=state_rounding,
-                        first_moment=first_moment, scaling=scaling, min_numel=min_numel,
-                        seed=seed)
+                        first_moment=first_moment, scaling=scaling, headroom=headroom,
+                        min_numel=min_numel, seed=seed)
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -298,6 +302,7 @@ class AdamW4(torch.optim.Optimizer):
                 params, [p.grad for p in params], [states[i] for i in members], spares,
                 [batch[i][1] for i in members], step, lr=group["lr"], beta1=beta1,
                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                headroom=float(group["headroom"]),
                 seed=group["seed"], cache=self._plans,
             )
 
@@ -362,18 +367,19 @@ class AdamW4(torch.optim.Optimizer):
         over the root of the v the next step reads back, so that m round-trips exactly)."""
         spec = QuantSpec(rounding=group["state_rounding"], nan_policy="propagate")
         normalized = group["first_moment"] == "normalized"
-        # Delayed scaling: the amaxes of the previous step's stored moments, times HEADROOM. The
+        # Delayed scaling: the amaxes of the previous step's stored moments, times headroom. The
         # first step has none and calibrates on its own: v's stored form, and m over the root
         # of v as it is (the v read back needs v's amax first).
         delayed = group["scaling"] == "delayed"
+        headroom = group["headroom"]
         calibrate = delayed and step == 1
         stored_v, factors = encode_state(v, transform)
         amax_v = _amax(stored_v)
         if factors is not None:
             state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
         if delayed:
-            scale_v = HEADROOM * amax_v if calibrate else state["exp_avg_sq_next_amax"]
-            state["exp_avg_sq_next_amax"] = HEADROOM * amax_v
+            scale_v = headroom * amax_v if calibrate else state["exp_avg_sq_next_amax"]
+            state["exp_avg_sq_next_amax"] = headroom * amax_v
         else:
             scale_v = amax_v
         seed = state_seed(group["seed"], index, step, 1)
@@ -386,10 +392,10 @@ class AdamW4(torch.optim.Optimizer):
         amax_m = _amax(stored_m)
         if delayed:
             if calibrate:
-                scale_m = HEADROOM * _amax(safe_divide(m, sqrt_rn(v)) if normalized else m)
+                scale_m = headroom * _amax(safe_divide(m, sqrt_rn(v)) if normalized else m)
             else:
                 scale_m = state["exp_avg_next_amax"]
-            state["exp_avg_next_amax"] = HEADROOM * amax_m
+            state["exp_avg_next_amax"] = headroom * amax_m
         else:
             scale_m = amax_m
         seed = state_seed(group["seed"], index, step, 0)
@@ -421,8 +427,9 @@ class AdamW4(torch.optim.Optimizer):
         so the loaded states are put back as saved.
         """
         super().load_state_dict(state_dict)
-        for group in self.param_groups:  # saved before the option existed
+        for group in self.param_groups:  # saved before these options existed
             group.setdefault("scaling", DEFAULT_SCALING)
+            group.setdefault("headroom", DEFAULT_HEADROOM)
         self._spares.clear()
         self._plans.clear()
         self._step_views.clear()
@@ -475,6 +482,10 @@ def _check_group(group: dict[str, Any]) -> None:
         )
     if group.get("scaling", DEFAULT_SCALING) not in _SCALINGS:
         raise ValueError(f"scaling must be one of {_SCALINGS}, got {group['scaling']!r}")
+    headroom = group.get("headroom", DEFAULT_HEADROOM)
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float) or not (
+            1.0 <= headroom < math.inf):
+        raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
     if not isinstance(group["min_numel"], int) or group["min_numel"] < 0:
         raise ValueError(f"min_numel must be an int >= 0, got {group['min_numel']!r}")
     if not isinstance(group["seed"], int) or group["seed"] < 0:
@@ -518,14 +529,14 @@ def _read_v(state: dict[str, Tensor], transform: Transform, shape: torch.Size
 def _upgrade_state(state: dict[str, Tensor]) -> None:
     """A quantized state saved before delayed scaling (no `<moment>_next_amax`; rank-1 factors
     kept as means, not their roots) in the current layout: the factors' roots, and the saved
-    amaxes (those of the last stored moments) times HEADROOM as the next ones."""
+    amaxes (those of the last stored moments) times the default headroom as the next ones."""
     if "exp_avg_data" not in state or "exp_avg_next_amax" in state:
         return
     if "exp_avg_sq_row" in state:
         for key in ("exp_avg_sq_row", "exp_avg_sq_col"):
             state[key] = state[key].double().sqrt().float()
     for name in _MOMENTS:
-        state[f"{name}_next_amax"] = HEADROOM * state[f"{name}_amax"]
+        state[f"{name}_next_amax"] = DEFAULT_HEADROOM * state[f"{name}_amax"]
 
 
 def _amax(x: Tensor) -> Tensor:

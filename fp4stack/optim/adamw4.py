@@ -2,18 +2,23 @@
 
 Defaults chosen by benchmarks/study_adamw4_transforms.py (200 steps, 2 seeds, gap of the final
 eval loss to fp32 torch AdamW; tiny GPT on a Zipf-Markov stream / MLP whose input scales span
-two decades / matrix whose rows' gradients span eight decades):
+two decades / matrix whose rows' gradients span eight decades; docs/RESULTS.md):
 
     transform="rank1", state_rounding="stochastic", first_moment="normalized":
-        -0.9% / +1.6% / -1.4%, the only setting within 2% of fp32 AdamW on all three.
-    the same with state_rounding="rne":              +0.6% / +22% / +68%
-    with first_moment="direct" (m stored as is):     -0.8% / -3.7% / +269% (rare rows freeze)
-    transform="pow4" (v^(1/4)), stochastic, m/sqrt(v): -0.3% / +14% / +0.9%
-    transform="sqrt", stochastic, m/sqrt(v):         -0.4% / +44% / +210%
-    raw v, stochastic, m:                            -0.2% / +70% / +712%
-    "log" diverges with stochastic rounding; "rsqrt" is +0.3% / +53% / +483%.
-The GPT barely separates the settings (all within 1% except log); the other two tasks hold the
+        -0.75% / +5.7% / -2.1%, the only setting within 6% of fp32 AdamW on all three.
+    the same with state_rounding="rne":              +0.4% / +26% / +59%
+    with first_moment="direct" (m stored as is):     -0.9% / -1.3% / +329% (rare rows freeze)
+    transform="pow4" (v^(1/4)), stochastic, m/sqrt(v): -0.7% / +8.5% / -5.6%
+    transform="sqrt", stochastic, m/sqrt(v):         -0.5% / +44% / +279%
+    raw v, stochastic, m:                            -0.3% / +71% / +754%
+    "log" diverges with stochastic rounding; "rsqrt" is +0.6% / +50% / +373%.
+The GPT barely separates the settings (all within 1.5% except log); the other two tasks hold the
 failure modes: v spanning decades inside a 16-block, and gradients spanning decades across rows.
+
+scaling="delayed" (each moment encoded with `headroom` x its previous amax, so the fused step
+needs two passes instead of four) was chosen for speed and measured on the `small` GPT preset
+(H200): -0.70% against fp32 AdamW with headroom 4, where headroom 2 fell 3.4% behind early in
+training; on the small tasks above it costs a few points on the second (+3.4% with "current").
 """
 
 from __future__ import annotations
@@ -157,19 +162,20 @@ class AdamW4(torch.optim.Optimizer):
         seed: base seed of the stochastic rounding.
         fused: run the quantized states of a group in one fused Triton step
             (fp4stack/kernels/adamw4.py), bit-exact with the step here. None: when the group has
-            the default transform, state_rounding and first_moment, Triton is installed, and the
-            parameter is float32 and on CUDA; other parameters take the step here. True: require
+            the default transform, state_rounding, first_moment and scaling, Triton is
+            installed, and the parameter is float32 and on CUDA; other parameters take the step
+            here. True: require
             it (a ValueError says why not; on the CPU it runs under TRITON_INTERPRET=1, for
             tests). False: never. The state_dict is the same either way, so a run may switch.
     All options but `fused` may differ per param group; a parameter's state layout is fixed at
     its first step. maximize, amsgrad and foreach are not implemented (a ValueError if set).
     The fused step rewrites the packed codes and block scales of m and v in place, so between
     steps it holds, besides the states, only spares of the small fields that every program
-    reads while it writes their new values (the two fp32 amaxes and the rank-1 factors: 8 bytes
-    per tensor and 4 per row and per column), and its launch tables (~200 bytes per tensor and
-    4 per 1024 elements); neither is counted by `state_bytes` nor saved. During a step it
-    allocates the new v's codes and scales (0.5625 bytes per parameter) and float64 row, column
-    and total sums (8 bytes per row and per column), freed when the step returns.
+    reads while it writes their new values (the four fp32 amaxes and the roots of the rank-1
+    factors: 16 bytes per tensor and 4 per row and per column), and its launch tables (~200
+    bytes per tensor and 4 per 1024 elements); neither is counted by `state_bytes` nor saved.
+    During a step it allocates float64 row, column and total sums and float32 reciprocal roots
+    (12 bytes per row and per column), freed when the step returns.
     """
 
     def __init__(

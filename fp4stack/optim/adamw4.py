@@ -164,9 +164,9 @@ class AdamW4(torch.optim.Optimizer):
             (fp4stack/kernels/adamw4.py), bit-exact with the step here. None: when the group has
             the default transform, state_rounding, first_moment and scaling, Triton is
             installed, and the parameter is float32 and on CUDA; other parameters take the step
-            here. True: require
-            it (a ValueError says why not; on the CPU it runs under TRITON_INTERPRET=1, for
-            tests). False: never. The state_dict is the same either way, so a run may switch.
+            here. True: require it (a ValueError says why not; on the CPU it runs under
+            TRITON_INTERPRET=1, for tests). False: never. The state_dict is the same either way,
+            so a run may switch.
     All options but `fused` may differ per param group; a parameter's state layout is fixed at
     its first step. maximize, amsgrad and foreach are not implemented (a ValueError if set).
     The fused step rewrites the packed codes and block scales of m and v in place, so between
@@ -379,10 +379,8 @@ class AdamW4(torch.optim.Optimizer):
         delayed = group["scaling"] == "delayed"
         headroom = group["headroom"]
         calibrate = delayed and step == 1
-        stored_v, factors = encode_state(v, transform)
+        stored_v = _encode_v(state, transform, v)
         amax_v = _amax(stored_v)
-        if factors is not None:
-            state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
         if delayed:
             scale_v = headroom * amax_v if calibrate else state["exp_avg_sq_next_amax"]
             state["exp_avg_sq_next_amax"] = headroom * amax_v
@@ -418,10 +416,7 @@ class AdamW4(torch.optim.Optimizer):
         _store(state, "exp_avg", quantize(zeros))
         # v = 0 is stored as encode(0), which is not 0 for every transform (rsqrt: 1 / c).
         transform = get_transform(group["transform"])
-        stored_v, factors = encode_state(zeros, transform)
-        if factors is not None:
-            state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
-        _store(state, "exp_avg_sq", quantize(stored_v))
+        _store(state, "exp_avg_sq", quantize(_encode_v(state, transform, zeros)))
         for name in _MOMENTS:  # delayed scaling's amaxes: none seen yet
             state[f"{name}_next_amax"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
@@ -530,6 +525,14 @@ def _read_v(state: dict[str, Tensor], transform: Transform, shape: torch.Size
     if transform.factored:
         factors = (state["exp_avg_sq_row"], state["exp_avg_sq_col"])
     return read_state(_nvfp4(state, "exp_avg_sq", shape), transform, factors)
+
+
+def _encode_v(state: dict[str, Tensor], transform: Transform, v: Tensor) -> Tensor:
+    """The stored form of v; a factored transform's factors go into `state`."""
+    stored, factors = encode_state(v, transform)
+    if factors is not None:
+        state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
+    return stored
 
 
 def _upgrade_state(state: dict[str, Tensor]) -> None:

@@ -4,10 +4,11 @@ Bit-exact with the reference step (fp4stack/optim/adamw4.py, `AdamW4._step_param
 default settings: transform "rank1", stochastic state rounding, first moment stored normalized,
 delayed scaling.
 
-With delayed scaling the tensor amaxes of the stored m and v are known before the step (twice
-those of the previous step), so of the reference's global reductions only one precedes the
-quantization: the rank-1 factors of the new v. The step takes two passes over the tensors, the
-second recomputing from the gradient and the old packed states what the first computed:
+With delayed scaling the tensor amaxes of the stored m and v are known before the step
+(`headroom` times those of the previous step), so of the reference's global reductions only one
+precedes the quantization: the rank-1 factors of the new v. The step takes two passes over the
+tensors, the second recomputing from the gradient and the old packed states what the first
+computed:
 
     pass "sums":    the new v; float64 row, column and total sums of it (atomics)
     "factors":      per row and column (not per element): the roots of the new rank-1 factors
@@ -371,7 +372,7 @@ class _Plan:
     def __init__(self, params: list[Tensor], states: list[dict], spares: list[dict],
                  indices: list[int]) -> None:
         device = params[0].device
-        self.tilings = ((BM, KB), (SUMS_BM, SUMS_KB))
+        self.tilings = _tilings()
         counts: list[list[int]] = [[], [], []]  # step tiles, sums tiles, lines per tensor
         starts = [0, 0, 0]
         table = []
@@ -402,6 +403,11 @@ class _Plan:
         self.keep = [params, [dict(s) for s in states], [dict(s) for s in spares]]
         self.grad_key: list[int] = []
         self.grad_ptrs: Tensor | None = None
+
+
+def _tilings() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(rows, blocks) of a tile of the step passes and of the sums pass, as now set."""
+    return (BM, KB), (SUMS_BM, SUMS_KB)
 
 
 def _work_list(counts: list[int], device: torch.device) -> Tensor:
@@ -436,7 +442,7 @@ def fused_step(
     """
     key = plan_key(states, indices)
     plan = cache.get(key)
-    if plan is not None and plan.tilings != ((BM, KB), (SUMS_BM, SUMS_KB)):  # tiles changed
+    if plan is not None and plan.tilings != _tilings():  # the tiles were changed (a sweep)
         plan = None
     if plan is None:
         if len(cache) >= 8:  # stale plans (another grad pattern, a reload): drop them all

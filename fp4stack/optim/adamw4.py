@@ -54,8 +54,8 @@ _FIRST_MOMENTS = ("normalized", "direct")
 _SCALINGS = ("delayed", "current")
 # Delayed scaling encodes a moment with `headroom` x the amax its stored form had at the
 # previous step, so it may grow by that much in a step before its largest blocks saturate.
-# Chosen by measurement (docs/RESULTS.md): 2 saturated early in training (+3.4% val loss at step
-# 100 of the `small` preset), 4 tracked fp32 AdamW throughout.
+# Chosen by measurement (docs/RESULTS.md, one run each): with 2 the `small` preset fell behind
+# early in training (+3.4% val loss at step 100), with 4 it tracked fp32 AdamW throughout.
 DEFAULT_HEADROOM = 4.0
 # transform="none" keeps every state in fp32: AdamW4 then computes exactly what torch's AdamW does.
 _NONE = "none"

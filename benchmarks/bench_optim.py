@@ -2,14 +2,18 @@
 fused AdamW timed in the same run.
 
 The parameters are the matrices of a GPT with --params parameters in total (square attention
-projections and 3x-wide MLPs), fp32 masters with random gradients. Each optimizer's step is
-timed after warm-up steps (its states exist), and its state bytes per parameter and the CUDA
-peak memory of its step are reported. AdamW4 runs twice: its fused Triton step and its reference
-step (fused=False); on CUDA, one fused step is also checked against one reference step on copies
-of a few parameters ("fused == reference"). On the CPU the fused step runs only under the Triton
-interpreter (TRITON_INTERPRET=1, very slow: use a small --params); otherwise its row is skipped.
+projections and 3x-wide MLPs), fp32 masters with random gradients; or, with --model, all the
+parameters of a GPT preset. Each optimizer's step is timed after three warm-up steps (its states
+exist, the fused AdamW4 step has captured its CUDA graph), each step synchronized (the host's
+time counts, as in a training loop that reads the loss each step), and its state bytes per
+parameter and the CUDA peak memory of its step are reported. AdamW4 runs twice: its fused
+Triton step and its reference step (fused=False); on CUDA, one fused step is also checked against
+one reference step on copies of a few matrices ("fused == reference"). On the CPU the fused step
+runs only under the Triton interpreter (TRITON_INTERPRET=1, very slow: use a small --params);
+otherwise its row is skipped.
 
     python benchmarks/bench_optim.py [--params 100e6] [--device cuda] [--out results.json]
+    python benchmarks/bench_optim.py --model small     # a real model's parameters, norms too
     python benchmarks/bench_optim.py --sweep           # the fused step's time per kernel tiling
     python benchmarks/bench_optim.py --compile-check   # sm_90 compile + ptxas registers, no GPU
 """
@@ -82,35 +86,40 @@ def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) ->
 
 def compile_check() -> list[str]:
     """Compile the fused AdamW4 step's passes for sm_90 without a GPU (the step pass with and
-    without weight decay); report ptxas's registers and spills and the static SASS instruction
-    count (per element: the passes have no loops) where it can."""
+    without weight decay, with and without masks); report ptxas's registers and spills and the
+    static SASS instruction count (per element: the passes have no loops) where it can."""
     from fp4stack.kernels.hopper import compile_sm90
 
     lines = []
-    names = {kernels.SUMS.value: "sums", kernels.CALIBRATE.value: "calibrate",
-             kernels.STEP.value: "step"}
-    for pass_, name in names.items():
-        for decay in ((True, False) if pass_ == kernels.STEP.value else (False,)):
-            types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64", sums_ptr="*fp64",
-                         inv_ptr="*fp32", seed_hash="i32", step="i32")
-            sums = pass_ == kernels.SUMS.value
-            bm, kb, warps = ((kernels.SUMS_BM, kernels.SUMS_KB, kernels.SUMS_WARPS) if sums
-                             else (kernels.BM, kernels.KB, kernels.NUM_WARPS))
-            consts = dict(PASS=pass_, DECAY=decay, BM=bm, KB=kb)
-            build = compile_sm90(kernels.adamw4_kernel, types, consts, num_warps=warps,
-                                 default="fp32")
-            per = ""
-            if build.sass_instructions is not None:  # elements per thread of a program
-                per_thread = bm * kb * 16 // (32 * warps)
-                per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
-            lines.append(f"adamw4 pass {name} decay={decay}: {build.describe()}{per}")
-            print(lines[-1])
-    build = compile_sm90(kernels.adamw4_factors_kernel,
-                         dict(work_ptr="*i32", meta_ptr="*i64", sums_ptr="*fp64",
-                              inv_ptr="*fp32"), dict(LINE=kernels.LINE), num_warps=4,
-                         default="fp32")
-    lines.append(f"adamw4 factors (per row and column): {build.describe()}")
-    print(lines[-1])
+    types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64", scal_ptr="*fp32",
+                 iscal_ptr="*i32", sums_ptr="*fp64", roots_ptr="*fp32", inv_ptr="*fp32",
+                 pending_ptr="*fp32")
+    variants = [(kernels.SUMS.value, "sums", False, True),
+                (kernels.CALIBRATE.value, "calibrate", False, True),
+                *((kernels.STEP.value, "step", decay, even)
+                  for decay in (True, False) for even in (True, False))]
+    for pass_, name, decay, even in variants:
+        sums = pass_ == kernels.SUMS.value
+        bm, kb, warps = ((kernels.SUMS_BM, kernels.SUMS_KB, kernels.SUMS_WARPS) if sums
+                         else (kernels.BM, kernels.KB, kernels.NUM_WARPS))
+        consts = dict(PASS=pass_, DECAY=decay, EVEN=even, BM=bm, KB=kb)
+        build = compile_sm90(kernels.adamw4_kernel, types, consts, num_warps=warps,
+                             default="fp32")
+        per = ""
+        if build.sass_instructions is not None:  # elements per thread of a program
+            per_thread = bm * kb * 16 // (32 * warps)
+            per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
+        lines.append(f"adamw4 pass {name} decay={decay} full tiles={even}: {build.describe()}"
+                     f"{per}")
+        print(lines[-1])
+    for mode, name in ((kernels.FACTORS.value, "factors"), (kernels.ROLL.value, "roll")):
+        build = compile_sm90(kernels.adamw4_factors_kernel,
+                             dict(work_ptr="*i32", meta_ptr="*i64", scal_ptr="*fp32",
+                                  sums_ptr="*fp64", roots_ptr="*fp32", inv_ptr="*fp32",
+                                  pending_ptr="*fp32"),
+                             dict(MODE=mode, LINE=kernels.LINE), num_warps=4, default="fp32")
+        lines.append(f"adamw4 {name} launch (per row and column): {build.describe()}")
+        print(lines[-1])
     return lines
 
 
@@ -141,6 +150,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=100e6, help="total parameters (default 100M)")
     p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--model", choices=["small", "tiny"],
+                   help="instead of GPT-shaped matrices, every parameter of fp4stack's GPT preset "
+                        "(norms included: 1-D tensors keep fp32 states), vocabulary 8192")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", help="write the rows as JSON here")
@@ -155,8 +167,14 @@ def main() -> None:
         compile_check()
         return
     device = torch.device(args.device)
-    shapes = gpt_shapes(args.params, args.dim)
-    params = [torch.nn.Parameter(torch.randn(r, c, device=device) * 0.02) for r, c in shapes]
+    if args.model:
+        from fp4stack.models.gpt import GPT, GPTConfig
+
+        model = GPT(getattr(GPTConfig, args.model)(vocab_size=8192)).to(device)
+        params = list(model.parameters())
+    else:
+        shapes = gpt_shapes(args.params, args.dim)
+        params = [torch.nn.Parameter(torch.randn(r, c, device=device) * 0.02) for r, c in shapes]
     for q in params:
         q.grad = torch.randn_like(q) * 1e-3
     n = sum(q.numel() for q in params)
@@ -178,12 +196,14 @@ def main() -> None:
         print("AdamW4 (fused): skipped (on the CPU it runs only with TRITON_INTERPRET=1)")
         del makers["AdamW4 (fused)"]
     rows = []
-    print(f"{n / 1e6:.1f}M parameters in {len(params)} matrices, device {device}")
+    print(f"{n / 1e6:.1f}M parameters in {len(params)} tensors, device {device}")
     if cuda:
-        print(f"fused == reference: {fused_matches_reference(params[:3])}")
+        matrices = [q for q in params if q.dim() == 2]
+        print(f"fused == reference: {fused_matches_reference(matrices[:3])}")
     for name, make in makers.items():
         opt = make()
-        opt.step()  # creates the states
+        for _ in range(3 if cuda else 1):  # creates the states (and captures the graphs)
+            opt.step()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -200,7 +220,8 @@ def main() -> None:
 
         for name in ("AdamW4 (fused)", "Muon4"):
             opt = makers[name]()
-            opt.step()  # the states exist: a step like the timed ones
+            for _ in range(3):  # the states and graphs exist: steps like the timed ones
+                opt.step()
             print(f"\n{name} step, CUDA time per kernel:")
             print(format_kernel_times(kernel_times(opt.step)))
             del opt

@@ -200,6 +200,36 @@ def test_fp32_states_equal_torch_adamw_bit_for_bit(hp):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fp32_states_on_cuda_equal_torch_foreach_adamw_bit_for_bit():
+    # On CUDA the fp32 states take torch's multi-tensor ops, as torch's foreach AdamW does.
+    init = [randn(*s, seed=i).cuda() for i, s in enumerate(SHAPES)]
+    grads = [[g.cuda() if g is not None else None for g in gs] for gs in grad_stream(SHAPES, 6)]
+    grads[2][0] = None
+    ours, theirs = params_like(*init), params_like(*init)
+    hp = dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    run(AdamW4(ours, transform="none", **hp), ours, grads)
+    run(torch.optim.AdamW(theirs, foreach=True, **hp), theirs, grads)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp32_states_take_one_batched_step(monkeypatch):
+    # All fp32-state tensors of a group go through one foreach update, none through the
+    # per-parameter step (which a model's many norms would make launch-bound).
+    calls = []
+    real = adamw4_module.adamw_update_foreach
+    monkeypatch.setattr(adamw4_module, "adamw_update_foreach",
+                        lambda params, *a: calls.append(len(params)) or real(params, *a))
+    monkeypatch.setattr(adamw4_module, "adamw_update", None)  # would fail if called
+    params = params_like(*(randn(*s, seed=i) for i, s in enumerate(SHAPES)))
+    opt = AdamW4(params)
+    for g, p in zip(grad_stream(SHAPES, 1)[0], params, strict=True):
+        p.grad = g
+    opt.step()
+    assert calls == [len(SHAPES)]
+
+
 def test_fallback_tensors_follow_torch_adamw_bit_for_bit():
     # With the default transform, tensors under the size rule still compute exactly as torch.
     init = [randn(*s, seed=i) for i, s in enumerate(SHAPES)]

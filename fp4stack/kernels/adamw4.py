@@ -1,50 +1,54 @@
-"""Fused AdamW4 step: every NVFP4-state tensor of a param group in three multi-tensor launches.
+"""Fused AdamW4 step: every NVFP4-state tensor of a param group in one pass over its elements.
 
 Bit-exact with the reference step (fp4stack/optim/adamw4.py, `AdamW4._step_param`) for the
 default settings: transform "rank1", stochastic state rounding, first moment stored normalized,
 delayed scaling.
 
-With delayed scaling the tensor amaxes of the stored m and v are known before the step
-(`headroom` times those of the previous step), so of the reference's global reductions only one
-precedes the quantization: the rank-1 factors of the new v. The step takes two passes over the
-tensors, the second recomputing from the gradient and the old packed states what the first
-computed:
+With delayed scaling everything a step encodes the moments with is known before it starts: the
+tensor amaxes of the stored m and v (`headroom` times those of the previous step) and the
+rank-1 factors of v (those of the previous step's v). So a step is one pass over the elements
+and a tiny launch per row and column after it:
 
-    pass "sums":    the new v; float64 row, column and total sums of it (atomics)
-    "factors":      per row and column (not per element): the roots of the new rank-1 factors
-                    and their reciprocals, from the sums
-    pass "step":    p updated in place; the new v and m quantized (stochastic rounding) with
-                    the delayed amaxes, their codes and block scales written over the old ones
-                    in place; the amaxes of the stored forms (atomic max) for the next step
+    memset          the float64 row, column and total sums of the new v
+    pass "step":    p updated in place; v and m quantized (stochastic rounding) with the
+                    delayed amaxes and factors, their codes and block scales written over the
+                    old ones in place; float64 row, column and total sums of the new v, and
+                    the amaxes of the stored forms (atomics)
+    "factors":      per row and column: the factors the step encoded with become those v is
+                    decoded with, the roots of the new v's factors (from the sums) the next
+                    ones, and their reciprocals; per tensor: the amaxes roll over (this step's
+                    encoding amaxes become the decoding ones, headroom x the new maxima the
+                    next ones)
 
-The first step of a tensor has no previous amaxes: a "calibrate" pass between "factors" and
-"step" takes them from the step's own v and m (as the reference does).
+The first step of a tensor has none of these yet and takes its own, as the reference does: a
+"sums" pass and a "factors" launch give the rank-1 factors of its v, and a "calibrate" pass the
+amaxes, before the step pass.
 
 Memory. Each program of the step pass reads the old codes and block scales of its own tile only
 (the block floor of v uses the scale of the same block), so after a barrier it overwrites them
-with the new ones. The small fields every program reads the old values of (the fp32 amaxes, the
-next amaxes, the roots of the rank-1 factors) are double-buffered: the new ones go to spares
-(`spares`, 16 bytes per tensor and 4 per row and per column), swapped with the states at the end
-of the step. Resident between steps: the states (1.125 bytes per parameter, 4 per row and
-column), these spares and the launch tables (8 x NMETA bytes and a gradient pointer per tensor,
-4 bytes per tile of 1024 elements and per line of 1024 rows or columns). Transient, allocated
-for the step: float64 sums and float32 reciprocal roots (12 bytes per row and per column).
+with the new ones; every field that all programs read (amaxes, factors) changes only in the
+factors launch, after the pass. Resident between steps, besides the states (1.125 bytes per
+parameter and 16 bytes per row and per column, see AdamW4.state_bytes): the launch tables (8 x
+NMETA bytes and a gradient pointer per tensor, 4 bytes per tile of 1024 elements and per line
+of 1024 rows or columns), float64 sums and float32 reciprocal roots (12 bytes per row and per
+column), and a float32 pair per tensor for the new amaxes.
 
 One launch covers all tensors: a table of per-tensor pointers and sizes (`meta`), a work list
-mapping each program to its tensor, tiles of BM rows x KB 16-element blocks. Per-step scalars
-(learning rate, bias corrections, the step for the rounding seeds) are kernel arguments, so
+mapping each program to its tensor, tiles of BM rows x KB 16-element blocks. The per-step
+scalars (learning rate, bias corrections, the step for the rounding seeds) are read from a
+small device buffer, not passed as arguments, so the launches of a step can be captured once as
+a CUDA graph and replayed (on CUDA, from the third step with the same tensors: `StepPlan`);
 tensors are launched together only when their step counts agree (the caller groups them).
-Bytes per parameter and step: gradient 4 x 2, parameter 8 (read and write), old packed v
-0.5625 x 2 and m 0.5625, the new m and v 1.125 written: about 18.8, against 28 for torch's
-fused AdamW (fp32 p, grad, m, v). Square roots and divisions are exact (sqrt.rn / div.rn,
-several instructions each, as bit-exactness needs): three per element (sqrt(v), the update,
-m over the root of v read back); the rank-1 transform needs none of its own (see
-optim/state_transforms.py).
+Bytes per parameter and step: gradient 4, parameter 8 (read and write), old packed v and m
+0.5625 each, the new ones 1.125 written: about 14.3, against 28 for torch's fused AdamW (fp32
+p, grad, m, v). Square roots and divisions are exact (sqrt.rn / div.rn, several instructions
+each, as bit-exactness needs): three per element (sqrt(v), the update, m over the root of v read
+back); the rank-1 transform needs none of its own (see optim/state_transforms.py).
 """
 
 from __future__ import annotations
 
-import operator
+import struct
 
 import torch
 import triton
@@ -57,8 +61,8 @@ from . import nvfp4_jit as jit
 from .nvfp4 import _launch_options
 
 # Tile of one program of the step and calibrate passes: BM rows x KB blocks of 16 (1024
-# elements), and its warps; and of the sums pass, whose column sums are atomics per tile (fewer,
-# larger tiles: fewer atomics and cross-thread reductions per element).
+# elements), and its warps; and of the first step's sums pass, whose column sums are atomics per
+# tile (fewer, larger tiles: fewer atomics and cross-thread reductions per element).
 BM = 8
 KB = 8
 NUM_WARPS = 4
@@ -69,40 +73,36 @@ SUMS_WARPS = 4
 LINE = 1024
 
 # The state fields the fused step reads and rewrites (all of a quantized "rank1" parameter's
-# tensors).
+# tensors with delayed scaling), in the order of the table columns _MD.._COL.
 FIELDS = ("exp_avg_data", "exp_avg_scales", "exp_avg_amax", "exp_avg_next_amax",
           "exp_avg_sq_data", "exp_avg_sq_scales", "exp_avg_sq_amax", "exp_avg_sq_next_amax",
           "exp_avg_sq_row", "exp_avg_sq_col")
-# The fields every program reads the old values of while the new ones are written:
-# double-buffered, the new values written into spares of these (`spares`), swapped with the
-# states after the step. The packed codes and block scales are rewritten in place.
-SMALL = ("exp_avg_amax", "exp_avg_next_amax", "exp_avg_sq_amax", "exp_avg_sq_next_amax",
-         "exp_avg_sq_row", "exp_avg_sq_col")
 
-_get_small = operator.itemgetter(*SMALL)
-
-# Columns of the per-tensor table: the parameter, the state fields, the spares of SMALL, then
-# sizes and offsets (tl.constexpr: the kernel reads them as compile-time constants).
+# Columns of the per-tensor table: the parameter, the state fields, then sizes and offsets
+# (tl.constexpr: the kernel reads them as compile-time constants).
 _P = tl.constexpr(0)
-_OLD = tl.constexpr(1)
-_NEW = tl.constexpr(1 + len(FIELDS))
-_ROWS = tl.constexpr(1 + len(FIELDS) + len(SMALL))
+_F = tl.constexpr(1)
+_MD, _MS, _MA, _MN, _VD, _VS, _VA, _VN, _ROW, _COL = (
+    tl.constexpr(1 + i) for i in range(len(FIELDS)))
+_ROWS = tl.constexpr(1 + len(FIELDS))
 _COLS = tl.constexpr(_ROWS + 1)
-_SCRATCH = tl.constexpr(_ROWS + 2)  # offset of its sums (and reciprocal roots) in the scratch
+_SCRATCH = tl.constexpr(_ROWS + 2)  # offset of its sums, roots, reciprocal roots in the scratch
 _INDEX = tl.constexpr(_ROWS + 3)  # the parameter's index in the optimizer (rounding seeds)
 _LINE0 = tl.constexpr(_ROWS + 4)  # first program of this tensor in the line work list
 # First program of this tensor in a tile work list and its tiles per row of tiles: for the
 # step tiles, then for the sums tiles.
 _TILE0 = tl.constexpr(_ROWS + 5)
 _COL_TILES = tl.constexpr(_ROWS + 6)
-NMETA = tl.constexpr(_ROWS + 9)
-# Field offsets inside the state group, in the order of FIELDS, and inside the spare group, in
-# the order of SMALL.
-_MD, _MS, _MA, _MN, _VD, _VS, _VA, _VN, _ROW, _COL = (tl.constexpr(i) for i in range(10))
-_NMA, _NMN, _NVA, _NVN, _NROW, _NCOL = (tl.constexpr(i) for i in range(6))
+_PENDING = tl.constexpr(_ROWS + 9)  # offset of its new amaxes (m, v) in the pending buffer
+NMETA = tl.constexpr(_ROWS + 10)
 
-# Passes of adamw4_kernel (the host passes their .value).
+# Passes of adamw4_kernel (the host passes their .value), and modes of adamw4_factors_kernel.
 SUMS, CALIBRATE, STEP = (tl.constexpr(i) for i in range(3))
+FACTORS, FACTORS_FIRST, ROLL = (tl.constexpr(i) for i in range(3))
+# The per-step scalars buffer: float32 values, then int32 ones (`step_scalars`).
+_DECAY, _W1, _BETA2, _W2, _INV_BC2, _EPS, _NEG_STEP, _HEADROOM, _SEED, _STEP = (
+    tl.constexpr(i) for i in range(10))
+NSCALARS = 10
 
 _SALT = tl.constexpr(0x9E3779B9)  # formats/random.SEED_SALT
 _DEC = tl.constexpr(1.0 / (6.0 * 448.0))  # decode scale per unit of amax: 1 / (E2M1 x E4M3 max)
@@ -113,6 +113,24 @@ _ZERO_SCALE_BOUND = tl.constexpr(12 * 2.0**-10)  # state_transforms._ZERO_SCALE_
 def _field(meta, col, ty: tl.constexpr):
     # Every pointer in the table is 16-byte aligned (the host checks): vector loads.
     return tl.multiple_of(tl.load(meta + col).to(tl.pointer_type(ty)), 16)
+
+
+@triton.jit
+def _keep(x, mask, EVEN: tl.constexpr):
+    """x where mask, else 0 (no mask when every tile is full)."""
+    if EVEN:
+        return x
+    else:
+        return tl.where(mask, x, 0.0)
+
+
+@triton.jit
+def _load(ptr, mask):
+    """tl.load, masked with 0 for masked-off elements unless mask is None (full tiles)."""
+    if mask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
 
 
 @triton.jit
@@ -145,11 +163,11 @@ def _values(b_lo, b_hi, sbits, dec):
 def _decode(meta, first, boff, soff, m4, bmask):
     """Values of a tile of a stored NVFP4 moment (see _values), its block scales and decode
     scale."""
-    dec = tl.load(_field(meta, first + _MA, tl.float32)) * _DEC
-    sbits = tl.load(_field(meta, first + _MS, tl.uint8) + soff, mask=bmask, other=0)
-    data = _field(meta, first + _MD, tl.uint8)
-    b_lo = tl.load(data + boff, mask=m4, other=0)
-    b_hi = tl.load(data + boff + 4, mask=m4, other=0)
+    dec = tl.load(_field(meta, first + 2, tl.float32)) * _DEC  # its amax field
+    sbits = _load(_field(meta, first + 1, tl.uint8) + soff, bmask)
+    data = _field(meta, first, tl.uint8)
+    b_lo = _load(data + boff, m4)
+    b_hi = _load(data + boff + 4, m4)
     lo, hi, s = _values(b_lo, b_hi, sbits, dec)
     return lo, hi, s, dec
 
@@ -181,14 +199,15 @@ def _keys(seed_hash, index, step, moment: tl.constexpr):
 
 @triton.jit
 def _quantize(lo, hi, amax, eoff, k1, k2):
-    """Codes (lo, hi) and E4M3 scale bits of one tile, as formats/nvfp4.quantize with
-    stochastic rounding and a given amax (no padding: K is a multiple of 16)."""
+    """Codes (lo, hi), E4M3 scale bits and block amaxes of one tile, as formats/nvfp4.quantize
+    with stochastic rounding and a given amax (no padding: K is a multiple of 16)."""
     s_enc, s_dec = jit.global_scales(amax, 448.0)
-    sbits = jit.block_scale_bits(jit.block_amax(lo, hi), s_enc, 1.0 / 6.0)
+    bmax = jit.block_amax(lo, hi)
+    sbits = jit.block_scale_bits(bmax, s_enc, 1.0 / 6.0)
     enc = jit.encode_factor(sbits, s_dec)[:, :, None]
     code_lo = jit.round_half(lo * enc, _uniform(eoff, k1, k2), True)
     code_hi = jit.round_half(hi * enc, _uniform(eoff + 8, k1, k2), True)
-    return code_lo, code_hi, sbits
+    return code_lo, code_hi, sbits, bmax
 
 
 @triton.jit
@@ -200,28 +219,41 @@ def _store_codes(data, scales, boff, soff, m4, bmask, code_lo, code_hi, sbits):
 
 
 @triton.jit
-def _next_amax(meta, col, lo, hi, headroom):
-    """Raise the amax field at table column `col` to headroom x this tile's amax."""
-    tile_max = tl.reduce(tl.reduce(jit.block_amax(lo, hi), 1, jit.max_nan), 0, jit.max_nan)
-    tl.atomic_max(_field(meta, col, tl.float32), tile_max * headroom)
+def _max_into(ptr, bmax):
+    """Raise *ptr to the largest of this tile's block amaxes [BM, KB]."""
+    tl.atomic_max(ptr, tl.reduce(tl.reduce(bmax, 1, jit.max_nan), 0, jit.max_nan))
 
 
 @triton.jit
-def _pair(ptr, col, K):
+def _pair(ptr, col, mask):
     """A [1, KB, 8] row vector at columns col and col + 8 (lo and hi half-blocks)."""
-    return (tl.load(ptr + col, mask=col < K, other=0.0),
-            tl.load(ptr + col + 8, mask=col < K, other=0.0))
+    return _load(ptr + col, mask), _load(ptr + col + 8, mask)
 
 
-@triton.jit(do_not_specialize=["seed_hash", "step"])
+@triton.jit
+def _add_sums(sums, rows, col, R, K, v_lo, v_hi, row_ok, col_ok):
+    """Add a tile's v into the float64 row, column and total sums (state_transforms.rank1_roots)."""
+    v64_lo = v_lo.to(tl.float64)
+    v64_hi = v_hi.to(tl.float64)
+    rsum = tl.sum(tl.sum(v64_lo, 2), 1) + tl.sum(tl.sum(v64_hi, 2), 1)
+    tl.atomic_add(sums + rows, rsum, mask=row_ok)
+    tl.atomic_add(sums + R + col, tl.sum(v64_lo, 0)[None, :, :], mask=col_ok)
+    tl.atomic_add(sums + R + col + 8, tl.sum(v64_hi, 0)[None, :, :], mask=col_ok)
+    tl.atomic_add(sums + R + K, tl.sum(rsum, 0))
+
+
+@triton.jit
 def adamw4_kernel(
-    work_ptr, meta_ptr, grad_ptrs, sums_ptr, inv_ptr,
-    decay, w1, beta2, w2, inv_bc2, eps, neg_step, headroom, seed_hash, step,
-    PASS: tl.constexpr, DECAY: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr,
+    work_ptr, meta_ptr, grad_ptrs, scal_ptr, iscal_ptr, sums_ptr, roots_ptr, inv_ptr, pending_ptr,
+    PASS: tl.constexpr, DECAY: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+    KB: tl.constexpr,
 ):
     """One pass (SUMS, CALIBRATE or STEP, see the module docstring) over one tile of one tensor.
-    sums_ptr: float64 row, column and total sums of the new v per tensor; inv_ptr: float32
-    reciprocal roots of the new rank-1 factors, rows then columns, at the same offsets."""
+    scal_ptr / iscal_ptr: the step's float32 / int32 scalars (one buffer); sums_ptr: float64 row,
+    column and total sums of the new v per tensor; roots_ptr, inv_ptr: float32 roots of the new
+    v's rank-1 factors and their reciprocals, rows then columns, at the same offsets;
+    pending_ptr: the new amaxes of the stored m and v per tensor. EVEN: every tile is full (no
+    masks)."""
     pid = tl.program_id(0)
     t = tl.load(work_ptr + pid)
     meta = meta_ptr + t * NMETA
@@ -235,152 +267,193 @@ def adamw4_kernel(
     tc = tile % col_tiles
     rows = tr * BM + tl.arange(0, BM)
     kbs = tc * KB + tl.arange(0, KB)
-    row_ok = rows < R
-    bmask = row_ok[:, None] & (kbs < K // 16)[None, :]
-    m8 = bmask[:, :, None] & (tl.arange(0, 8) < 8)[None, None, :]
-    m4 = bmask[:, :, None] & (tl.arange(0, 4) < 4)[None, None, :]
     col = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]  # [1, KB, 8]: lo columns
+    if EVEN:
+        row_ok = None
+        col_ok = None
+        bmask = None
+        m8 = None
+        m4 = None
+    else:
+        row_ok = rows < R
+        col_ok = col < K
+        bmask = row_ok[:, None] & (kbs < K // 16)[None, :]
+        m8 = bmask[:, :, None] & (tl.arange(0, 8) < 8)[None, None, :]
+        m4 = bmask[:, :, None] & (tl.arange(0, 4) < 4)[None, None, :]
     eoff = rows[:, None, None] * K + col  # element offsets (lo; hi is +8)
     boff = rows[:, None, None] * (K // 2) + kbs[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
     soff = rows[:, None] * (K // 16) + kbs[None, :]
     scratch = tl.load(meta + _SCRATCH)
+    sums = sums_ptr + scratch
+    inv = inv_ptr + scratch
+    beta2 = tl.load(scal_ptr + _BETA2)
+    w2 = tl.load(scal_ptr + _W2)
 
-    # The new v (and m), from the gradient and the old states.
+    # The new v, from the gradient and the old states.
     gp = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
-    g_lo = tl.load(gp + eoff, mask=m8, other=0.0)
-    g_hi = tl.load(gp + eoff + 8, mask=m8, other=0.0)
-    x_lo, x_hi, s, dec = _decode(meta, _OLD + _VD, boff, soff, m4, bmask)
-    row_old = tl.load(_field(meta, _OLD + _ROW, tl.float32) + rows, mask=row_ok, other=0.0)
-    col_lo, col_hi = _pair(_field(meta, _OLD + _COL, tl.float32), col, K)
+    g_lo = _load(gp + eoff, m8)
+    g_hi = _load(gp + eoff + 8, m8)
+    x_lo, x_hi, s, dec = _decode(meta, _VD, boff, soff, m4, bmask)
+    row_old = _load(_field(meta, _ROW, tl.float32) + rows, row_ok)
+    col_lo, col_hi = _pair(_field(meta, _COL, tl.float32), col, col_ok)
     root_lo = _root_read(x_lo, s, dec, row_old[:, None, None] * col_lo)
     root_hi = _root_read(x_hi, s, dec, row_old[:, None, None] * col_hi)
-    v_lo = (root_lo * root_lo) * beta2 + (g_lo * w2) * g_lo
-    v_hi = (root_hi * root_hi) * beta2 + (g_hi * w2) * g_hi
+    v_lo = _keep((root_lo * root_lo) * beta2 + (g_lo * w2) * g_lo, m8, EVEN)
+    v_hi = _keep((root_hi * root_hi) * beta2 + (g_hi * w2) * g_hi, m8, EVEN)
 
     if PASS == SUMS:
-        # float64 sums of v for the rank-1 factors (state_transforms.rank1_roots).
-        sums = sums_ptr + scratch
-        v64_lo = tl.where(m8, v_lo, 0.0).to(tl.float64)
-        v64_hi = tl.where(m8, v_hi, 0.0).to(tl.float64)
-        rsum = tl.sum(tl.sum(v64_lo, 2), 1) + tl.sum(tl.sum(v64_hi, 2), 1)
-        tl.atomic_add(sums + rows, rsum, mask=row_ok)
-        tl.atomic_add(sums + R + col, tl.sum(v64_lo, 0)[None, :, :], mask=col < K)
-        tl.atomic_add(sums + R + col + 8, tl.sum(v64_hi, 0)[None, :, :], mask=col < K)
-        tl.atomic_add(sums + R + K, tl.sum(rsum, 0))
+        _add_sums(sums, rows, col, R, K, v_lo, v_hi, row_ok, col_ok)
     else:
-        m_lo, m_hi, _, _ = _decode(meta, _OLD, boff, soff, m4, bmask)
+        headroom = tl.load(scal_ptr + _HEADROOM)
+        w1 = tl.load(scal_ptr + _W1)
+        m_lo, m_hi, _, _ = _decode(meta, _MD, boff, soff, m4, bmask)
         m_lo = m_lo * root_lo  # stored normalized: m = m_hat * sqrt(v)
         m_hi = m_hi * root_hi
         m_lo = m_lo + (g_lo - m_lo) * w1
         m_hi = m_hi + (g_hi - m_hi) * w1
         root_lo = tl.sqrt_rn(v_lo)
         root_hi = tl.sqrt_rn(v_hi)
-        # The stored form of v: its root times the reciprocal root of the new estimate.
-        inv = inv_ptr + scratch
-        inv_row = tl.load(inv + rows, mask=row_ok, other=0.0)[:, None, None]
-        inv_lo, inv_hi = _pair(inv + R, col, K)
-        st_lo = tl.where(m8, root_lo * (inv_row * inv_lo), 0.0)
-        st_hi = tl.where(m8, root_hi * (inv_row * inv_hi), 0.0)
+        # The stored form of v: its root times the reciprocal roots of its new factors.
+        inv_row = _load(inv + rows, row_ok)[:, None, None]
+        inv_lo, inv_hi = _pair(inv + R, col, col_ok)
+        st_lo = _keep(root_lo * (inv_row * inv_lo), m8, EVEN)
+        st_hi = _keep(root_hi * (inv_row * inv_hi), m8, EVEN)
         if PASS == CALIBRATE:
             # The first step's amaxes: of stored v, and of m over the root of v as it is.
-            _next_amax(meta, _OLD + _VN, st_lo, st_hi, headroom)
-            n_lo = tl.where(m8, _safe_div(m_lo, root_lo), 0.0)
-            n_hi = tl.where(m8, _safe_div(m_hi, root_hi), 0.0)
-            _next_amax(meta, _OLD + _MN, n_lo, n_hi, headroom)
+            _max_into(_field(meta, _VN, tl.float32), jit.block_amax(st_lo, st_hi) * headroom)
+            n_lo = _keep(_safe_div(m_lo, root_lo), m8, EVEN)
+            n_hi = _keep(_safe_div(m_hi, root_hi), m8, EVEN)
+            _max_into(_field(meta, _MN, tl.float32), jit.block_amax(n_lo, n_hi) * headroom)
         else:
             pp = _field(meta, _P, tl.float32)
-            p_lo = tl.load(pp + eoff, mask=m8, other=0.0)
-            p_hi = tl.load(pp + eoff + 8, mask=m8, other=0.0)
+            p_lo = _load(pp + eoff, m8)
+            p_hi = _load(pp + eoff + 8, m8)
             if DECAY:
+                decay = tl.load(scal_ptr + _DECAY)
                 p_lo = p_lo * decay
                 p_hi = p_hi * decay
+            inv_bc2 = tl.load(scal_ptr + _INV_BC2)
+            eps = tl.load(scal_ptr + _EPS)
+            neg_step = tl.load(scal_ptr + _NEG_STEP)
             d_lo = root_lo * inv_bc2 + eps
             d_hi = root_hi * inv_bc2 + eps
             tl.store(pp + eoff, p_lo + tl.math.div_rn(m_lo * neg_step, d_lo), mask=m8)
             tl.store(pp + eoff + 8, p_hi + tl.math.div_rn(m_hi * neg_step, d_hi), mask=m8)
 
             index = (tl.load(meta + _INDEX) & 0xFFFFFFFF).to(tl.uint32)
-            step32 = step.to(tl.uint32)
-            amax_v = tl.load(_field(meta, _OLD + _VN, tl.float32))
-            amax_m = tl.load(_field(meta, _OLD + _MN, tl.float32))
+            seed_hash = tl.load(iscal_ptr + _SEED)
+            step32 = tl.load(iscal_ptr + _STEP).to(tl.uint32)
+            amax_v = tl.load(_field(meta, _VN, tl.float32))
+            amax_m = tl.load(_field(meta, _MN, tl.float32))
             k1, k2 = _keys(seed_hash, index, step32, 1)
-            vc_lo, vc_hi, vsbits = _quantize(st_lo, st_hi, amax_v, eoff, k1, k2)
+            vc_lo, vc_hi, vsbits, vmax = _quantize(st_lo, st_hi, amax_v, eoff, k1, k2)
             # m over the root of the v the next step reads back, so m round-trips exactly.
-            row_new = tl.load(_field(meta, _NEW + _NROW, tl.float32) + rows, mask=row_ok,
-                              other=0.0)[:, None, None]
-            cn_lo, cn_hi = _pair(_field(meta, _NEW + _NCOL, tl.float32), col, K)
+            roots = roots_ptr + scratch
+            row_new = _load(roots + rows, row_ok)[:, None, None]
+            cn_lo, cn_hi = _pair(roots + R, col, col_ok)
             dec_v = amax_v * _DEC
             s_v = jit.e4m3_value(vsbits)[:, :, None]
             x_lo = (jit.e2m1_value(vc_lo) * s_v) * dec_v
             x_hi = (jit.e2m1_value(vc_hi) * s_v) * dec_v
-            n_lo = tl.where(m8, _safe_div(m_lo, _root_read(x_lo, s_v, dec_v, row_new * cn_lo)),
-                            0.0)
-            n_hi = tl.where(m8, _safe_div(m_hi, _root_read(x_hi, s_v, dec_v, row_new * cn_hi)),
-                            0.0)
+            n_lo = _keep(_safe_div(m_lo, _root_read(x_lo, s_v, dec_v, row_new * cn_lo)), m8,
+                         EVEN)
+            n_hi = _keep(_safe_div(m_hi, _root_read(x_hi, s_v, dec_v, row_new * cn_hi)), m8,
+                         EVEN)
             k1, k2 = _keys(seed_hash, index, step32, 0)
-            mc_lo, mc_hi, msbits = _quantize(n_lo, n_hi, amax_m, eoff, k1, k2)
-            # The amaxes the next step encodes with, and the ones this step did.
-            _next_amax(meta, _NEW + _NVN, st_lo, st_hi, headroom)
-            _next_amax(meta, _NEW + _NMN, n_lo, n_hi, headroom)
-            if tile == 0:
-                tl.store(_field(meta, _NEW + _NVA, tl.float32), amax_v)
-                tl.store(_field(meta, _NEW + _NMA, tl.float32), amax_m)
+            mc_lo, mc_hi, msbits, mmax = _quantize(n_lo, n_hi, amax_m, eoff, k1, k2)
+            # The maxima the next step's amaxes come from (the factors launch rolls them).
+            pending = pending_ptr + tl.load(meta + _PENDING)
+            _max_into(pending, mmax)
+            _max_into(pending + 1, vmax)
             # The new m and v replace the old ones in place: this tile's codes and block scales
             # are read by this program only, and past the barrier every thread of it has read
             # them.
             tl.debug_barrier()
-            _store_codes(_field(meta, _OLD + _VD, tl.uint8), _field(meta, _OLD + _VS, tl.uint8),
+            _store_codes(_field(meta, _VD, tl.uint8), _field(meta, _VS, tl.uint8),
                          boff, soff, m4, bmask, vc_lo, vc_hi, vsbits)
-            _store_codes(_field(meta, _OLD + _MD, tl.uint8), _field(meta, _OLD + _MS, tl.uint8),
+            _store_codes(_field(meta, _MD, tl.uint8), _field(meta, _MS, tl.uint8),
                          boff, soff, m4, bmask, mc_lo, mc_hi, msbits)
 
 
 @triton.jit
-def adamw4_factors_kernel(work_ptr, meta_ptr, sums_ptr, inv_ptr, LINE: tl.constexpr):
-    """Per row and column of one tensor: the roots of the new rank-1 factors (into the spares)
-    and their reciprocals (into inv_ptr), from the float64 sums, as state_transforms.rank1_roots.
-    The first program of a tensor also zeroes its spare next amaxes for the step pass's atomics."""
+def adamw4_factors_kernel(work_ptr, meta_ptr, scal_ptr, sums_ptr, roots_ptr, inv_ptr, pending_ptr,
+                          MODE: tl.constexpr, LINE: tl.constexpr):
+    """Per row and column of one tensor. MODE FACTORS: from the float64 sums of the new v, the
+    roots of its rank-1 factors and their reciprocals, into roots_ptr and inv_ptr (rows then
+    columns at the tensor's offset), as state_transforms.rank1_roots; FACTORS_FIRST (a first
+    step): also zero the next amaxes for the calibrate pass's atomics. MODE ROLL (after the step
+    pass): the new roots into the state, and the first program of a tensor rolls its amaxes: the
+    next ones (this step's encoding amaxes) become the current ones, headroom x the step's new
+    maxima (pending_ptr, then zeroed) the next ones."""
     pid = tl.program_id(0)
     t = tl.load(work_ptr + pid)
     meta = meta_ptr + t * NMETA
     R = tl.load(meta + _ROWS)
     K = tl.load(meta + _COLS)
     line = pid - tl.load(meta + _LINE0)
-    sums = sums_ptr + tl.load(meta + _SCRATCH)
+    scratch = tl.load(meta + _SCRATCH)
     j = line * LINE + tl.arange(0, LINE)
     is_row = j < R
+    is_col = (j >= R) & (j < R + K)
     ok = j < R + K
-    total = tl.load(sums + R + K) * (1.0 / (R * K).to(tl.float64))
-    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-    s = tl.load(sums + j, mask=ok, other=0.0)
-    f = tl.where(is_row, (s * (1.0 / K.to(tl.float64))) * inv_total, s * (1.0 / R.to(tl.float64)))
-    root = tl.sqrt(f)  # float64: correctly rounded (sqrt.rn.f64)
-    inv = tl.where(root > 0, 1.0 / tl.where(root > 0, root, 1.0), 0.0)
-    tl.store(inv_ptr + tl.load(meta + _SCRATCH) + j, inv.to(tl.float32), mask=ok)
-    tl.store(_field(meta, _NEW + _NROW, tl.float32) + j, root.to(tl.float32), mask=is_row)
-    tl.store(_field(meta, _NEW + _NCOL, tl.float32) + (j - R), root.to(tl.float32),
-             mask=ok & ~is_row)
-    if line == 0:
-        tl.store(_field(meta, _NEW + _NVN, tl.float32), 0.0)
-        tl.store(_field(meta, _NEW + _NMN, tl.float32), 0.0)
+    if MODE == ROLL:
+        root = tl.load(roots_ptr + scratch + j, mask=ok, other=0.0)
+        tl.store(_field(meta, _ROW, tl.float32) + j, root, mask=is_row)
+        tl.store(_field(meta, _COL, tl.float32) + (j - R), root, mask=is_col)
+        if line == 0:
+            headroom = tl.load(scal_ptr + _HEADROOM)
+            pending = pending_ptr + tl.load(meta + _PENDING)
+            m_next = _field(meta, _MN, tl.float32)
+            v_next = _field(meta, _VN, tl.float32)
+            tl.store(_field(meta, _MA, tl.float32), tl.load(m_next))
+            tl.store(_field(meta, _VA, tl.float32), tl.load(v_next))
+            tl.store(m_next, tl.load(pending) * headroom)
+            tl.store(v_next, tl.load(pending + 1) * headroom)
+            tl.store(pending, 0.0)
+            tl.store(pending + 1, 0.0)
+    else:
+        sums = sums_ptr + scratch
+        total = tl.load(sums + R + K) * (1.0 / (R * K).to(tl.float64))
+        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+        s = tl.load(sums + j, mask=ok, other=0.0)
+        f = tl.where(is_row, (s * (1.0 / K.to(tl.float64))) * inv_total,
+                     s * (1.0 / R.to(tl.float64)))
+        root = tl.sqrt(f)  # float64: correctly rounded (sqrt.rn.f64)
+        inv = tl.where(root > 0, 1.0 / tl.where(root > 0, root, 1.0), 0.0)
+        tl.store(roots_ptr + scratch + j, root.to(tl.float32), mask=ok)
+        tl.store(inv_ptr + scratch + j, inv.to(tl.float32), mask=ok)
+        if MODE == FACTORS_FIRST and line == 0:
+            tl.store(_field(meta, _MN, tl.float32), 0.0)
+            tl.store(_field(meta, _VN, tl.float32), 0.0)
 
 
-class _Plan:
-    """Device tables of one set of tensors (kept alive here, so the pointers stay valid), and
-    the size of the scratch each step allocates for itself."""
+def step_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, headroom: float, seed: int) -> bytes:
+    """The per-step scalars buffer's bytes: float32 values rounded once from Python's float64
+    (as the reference's scalar operands are), then the seed hash and the step as int32."""
+    seed_hash = lowbias32_int(seed ^ (seed >> 32))
+    return struct.pack(
+        "<8f2i", 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+        1.0 / (1 - beta2**step) ** 0.5, eps, -(lr / (1 - beta1**step)), headroom,
+        seed_hash - (1 << 32) if seed_hash >= 1 << 31 else seed_hash, step)
 
-    def __init__(self, params: list[Tensor], states: list[dict], spares: list[dict],
-                 indices: list[int]) -> None:
+
+class StepPlan:
+    """Device tables and buffers of one set of tensors (kept alive here, so the pointers stay
+    valid), and the CUDA graphs of its step (`run`)."""
+
+    def __init__(self, params: list[Tensor], states: list[dict], indices: list[int]) -> None:
         device = params[0].device
         self.tilings = _tilings()
         counts: list[list[int]] = [[], [], []]  # step tiles, sums tiles, lines per tensor
         starts = [0, 0, 0]
         table = []
         scratch = 0
-        for p, state, spare, index in zip(params, states, spares, indices, strict=True):
+        even = [True, True]  # every tile full: of the step tiles, of the sums tiles
+        for i, (p, state, index) in enumerate(zip(params, states, indices, strict=True)):
             k = p.shape[-1]
             r = p.numel() // k
-            tensors = [p, *(state[f] for f in FIELDS), *(spare[f] for f in SMALL)]
+            tensors = [p, *(state[f] for f in FIELDS)]
             ptrs = [t.data_ptr() for t in tensors]
             if (any(ptr % 16 for ptr in ptrs) or p.numel() >= 2**31
                     or not all(t.is_contiguous() for t in tensors)):
@@ -390,19 +463,103 @@ class _Plan:
             n = [triton.cdiv(r, bm) * c for (bm, _), c in zip(self.tilings, col_tiles,
                                                                strict=True)]
             n.append(triton.cdiv(r + k, LINE))
+            for e, (bm, kb) in enumerate(self.tilings):
+                even[e] &= r % bm == 0 and (k // BLOCK) % kb == 0
             table.append([*ptrs, r, k, scratch, index, starts[2],
-                          starts[0], col_tiles[0], starts[1], col_tiles[1]])
-            for i in range(3):
-                counts[i].append(n[i])
-                starts[i] += n[i]
-            scratch += r + k + 1  # row sums, column sums, the total
+                          starts[0], col_tiles[0], starts[1], col_tiles[1], 2 * i])
+            for j in range(3):
+                counts[j].append(n[j])
+                starts[j] += n[j]
+            scratch += r + k + 1  # per row and column (the sums: and the total)
         self.meta = torch.tensor(table, dtype=torch.int64, device=device)
         self.work, self.sums_work, self.line_work = (_work_list(c, device) for c in counts)
         self.device = device
-        self.scratch_numel = scratch
-        self.keep = [params, [dict(s) for s in states], [dict(s) for s in spares]]
+        self.even, self.even_sums = even
+        # float64 sums of v, the roots of its factors and their reciprocals (float32).
+        self.sums = torch.zeros(scratch, dtype=torch.float64, device=device)
+        self.roots = torch.zeros(scratch, dtype=torch.float32, device=device)
+        self.inv = torch.zeros(scratch, dtype=torch.float32, device=device)
+        self.pending = torch.zeros(2 * len(params), dtype=torch.float32, device=device)
+        self.scalars = torch.zeros(NSCALARS, dtype=torch.float32, device=device)
+        self.keep = [params, [dict(s) for s in states]]
         self.grad_key: list[int] = []
         self.grad_ptrs: Tensor | None = None
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.warm: set[bool] = set()
+
+    def set_grads(self, grads: list[Tensor]) -> None:
+        # Gradients are often at the same addresses step after step (the caching allocator
+        # hands the same blocks back): upload their pointers only when they moved.
+        ptrs = [g.data_ptr() for g in grads]
+        if self.grad_ptrs is None or ptrs != self.grad_key:
+            self.grad_key = ptrs
+            host = torch.tensor(ptrs, dtype=torch.int64)
+            if self.grad_ptrs is None:
+                self.grad_ptrs = host.to(self.device)
+            else:  # in place: a captured graph reads the table at this address
+                self._upload(self.grad_ptrs, host)
+
+    def set_scalars(self, packed: bytes) -> None:
+        self._upload(self.scalars, torch.frombuffer(bytearray(packed), dtype=torch.float32))
+
+    def _upload(self, dst: Tensor, host: Tensor) -> None:
+        if self.device.type == "cuda":
+            # From pinned memory (torch's host allocator does not hand the block out again
+            # before the copy has run): the host does not wait for the GPU.
+            dst.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(host)
+
+    def _args(self, work: Tensor) -> tuple:
+        return (work, self.meta, self.grad_ptrs, self.scalars, self.scalars.view(torch.int32),
+                self.sums, self.roots, self.inv, self.pending)
+
+    def _launch(self, pass_: int, decay: bool = False) -> None:
+        sums = pass_ == SUMS.value
+        work = self.sums_work if sums else self.work
+        bm, kb, warps = (SUMS_BM, SUMS_KB, SUMS_WARPS) if sums else (BM, KB, NUM_WARPS)
+        adamw4_kernel[(work.numel(),)](
+            *self._args(work), PASS=pass_, DECAY=decay,
+            EVEN=self.even_sums if sums else self.even, BM=bm, KB=kb, num_warps=warps,
+            **_launch_options())
+
+    def _launch_factors(self, mode: int) -> None:
+        adamw4_factors_kernel[(self.line_work.numel(),)](
+            self.line_work, self.meta, self.scalars, self.sums, self.roots, self.inv,
+            self.pending, MODE=mode, LINE=LINE, **_launch_options())
+
+    def _launch_step(self, decay: bool, first: bool = False) -> None:
+        """The launches of one step: the sums of v (zeroed first), its factors, [the first
+        step's amaxes], the step pass, the roll of factors and amaxes into the state."""
+        self.sums.zero_()
+        self._launch(SUMS.value)
+        self._launch_factors(FACTORS_FIRST.value if first else FACTORS.value)
+        if first:
+            self._launch(CALIBRATE.value)
+        self._launch(STEP.value, decay)
+        self._launch_factors(ROLL.value)
+
+    def run_first(self, decay: bool) -> None:
+        """A first step: it calibrates the amaxes on its own v and m (module docstring)."""
+        self._launch_step(decay, first=True)
+
+    def run(self, decay: bool, graphs: bool) -> None:
+        """A step after the first. With `graphs` (CUDA, not inside another capture), the
+        second run with the same `decay` captures its launches as a CUDA graph (the first
+        compiled the kernels) and every later one replays it."""
+        graph = self.graphs.get(decay)
+        if graph is not None:
+            graph.replay()
+            return
+        if graphs and decay in self.warm:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch_step(decay)
+            self.graphs[decay] = graph
+            graph.replay()
+            return
+        self._launch_step(decay)
+        self.warm.add(decay)
 
 
 def _tilings() -> tuple[tuple[int, int], tuple[int, int]]:
@@ -416,63 +573,48 @@ def _work_list(counts: list[int], device: torch.device) -> Tensor:
         torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)).to(device)
 
 
-def plan_key(states: list[dict], indices: list[int]) -> tuple:
-    """Identifies a plan: the parameters, their state tensors (the codes of m and v; the
-    reference step replaces all fields of a moment at once) and which of the two buffer sets
-    of SMALL holds the state (the ids of the current tensors, which the plan keeps alive, so
-    they are not reused)."""
-    return tuple(indices), tuple(id(s["exp_avg_data"]) for s in states), \
-        tuple(id(s["exp_avg_sq_data"]) for s in states), \
-        tuple(id(s["exp_avg_sq_row"]) for s in states)
+def plan_key(params: list[Tensor], states: list[dict], indices: list[int]) -> tuple:
+    """Identifies a plan: the parameters (their indices and storage) and their state tensors
+    (the codes of m and v; the reference step replaces all fields of a moment at once, the
+    fused one none). The plan keeps them alive, so their ids are not reused meanwhile."""
+    return tuple(indices), tuple(p.data_ptr() for p in params), \
+        tuple(id(s["exp_avg_data"]) for s in states), \
+        tuple(id(s["exp_avg_sq_data"]) for s in states)
 
 
 def fused_step(
-    params: list[Tensor], grads: list[Tensor], states: list[dict], spares: list[dict],
-    indices: list[int], step: int, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, headroom: float, seed: int, cache: dict,
+    params: list[Tensor], grads: list[Tensor], states: list[dict], indices: list[int],
+    step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    headroom: float, seed: int, cache: dict, graphs: bool = True,
 ) -> None:
     """One AdamW4 step of float32 `params` whose states (rank1, NVFP4, delayed scaling) have
-    all been stepped `step` times including this one; bit-exact with the reference step. The
-    packed codes and block scales of m and v are rewritten in place; the new amaxes and roots
-    of the rank-1 factors are written into `spares` (dicts of tensors shaped like the SMALL
-    fields of `states`), then swapped in. The float64 sums and float32 reciprocal roots are
-    allocated for the step and freed when it returns.
+    all been stepped `step` times including this one; bit-exact with the reference step. Every
+    state field is rewritten in place.
 
-    `cache` (owned by the caller) keeps the device tables between steps.
+    `cache` (owned by the caller) keeps the plans (device tables, buffers, CUDA graphs) between
+    steps. `graphs`: replay CUDA graphs of the step's launches where possible (see
+    StepPlan.run).
     """
-    key = plan_key(states, indices)
+    if _capturing(params[0]):
+        raise RuntimeError("AdamW4's fused step cannot run inside a CUDA graph capture (it "
+                           "captures and replays its own launches): call step() outside it")
+    key = plan_key(params, states, indices)
     plan = cache.get(key)
     if plan is not None and plan.tilings != _tilings():  # the tiles were changed (a sweep)
         plan = None
     if plan is None:
         if len(cache) >= 8:  # stale plans (another grad pattern, a reload): drop them all
             cache.clear()
-        plan = cache[key] = _Plan(params, states, spares, indices)
-    # Gradients are often at the same addresses step after step (the caching allocator hands
-    # the same blocks back): upload their pointers only when they moved. non_blocking: from
-    # pageable memory the copy is staged at once and no stream synchronization happens.
-    ptrs = [g.data_ptr() for g in grads]
-    if plan.grad_ptrs is None or ptrs != plan.grad_key:
-        plan.grad_key = ptrs
-        plan.grad_ptrs = torch.tensor(ptrs, dtype=torch.int64).to(plan.device, non_blocking=True)
-    sums = torch.zeros(plan.scratch_numel, dtype=torch.float64, device=plan.device)
-    inv = torch.empty(plan.scratch_numel, dtype=torch.float32, device=plan.device)
-    seed_hash = lowbias32_int(seed ^ (seed >> 32))
-    args = (plan.work, plan.meta, plan.grad_ptrs, sums, inv,
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, 1.0 / (1 - beta2**step) ** 0.5,
-            eps, -(lr / (1 - beta1**step)), headroom,
-            seed_hash - (1 << 32) if seed_hash >= 1 << 31 else seed_hash, step)
-    options = dict(BM=BM, KB=KB, num_warps=NUM_WARPS, **_launch_options())
-    grid = (plan.work.numel(),)
-    adamw4_kernel[(plan.sums_work.numel(),)](
-        plan.sums_work, *args[1:], PASS=SUMS.value, DECAY=False, BM=SUMS_BM, KB=SUMS_KB,
-        num_warps=SUMS_WARPS, **_launch_options())
-    adamw4_factors_kernel[(plan.line_work.numel(),)](plan.line_work, plan.meta, sums, inv,
-                                                     LINE=LINE, **_launch_options())
-    if step == 1:  # no previous amaxes: the step's own (see the module docstring)
-        adamw4_kernel[grid](*args, PASS=CALIBRATE.value, DECAY=False, **options)
-    adamw4_kernel[grid](*args, PASS=STEP.value, DECAY=weight_decay != 0, **options)
-    for state, spare in zip(states, spares, strict=True):
-        old = _get_small(state)
-        state.update(spare)
-        spare.update(zip(SMALL, old, strict=True))
+        plan = cache[key] = StepPlan(params, states, indices)
+    plan.set_grads(grads)
+    plan.set_scalars(step_scalars(step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, headroom=headroom, seed=seed))
+    decay = weight_decay != 0
+    if step == 1:  # no previous amaxes or factors: the step's own (see the module docstring)
+        plan.run_first(decay)
+    else:
+        plan.run(decay, graphs and plan.device.type == "cuda")
+
+
+def _capturing(p: Tensor) -> bool:
+    return p.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -98,6 +98,26 @@ def adamw_update(
     param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
 
 
+def adamw_update_foreach(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    steps: list[float], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+) -> None:
+    """`adamw_update` of many fp32 tensors at once, with torch's multi-tensor (foreach) ops in
+    the order of torch.optim.AdamW(foreach=True); `steps`: each tensor's step count, this step
+    included. Off CUDA the foreach ops loop over the tensors with the single-tensor kernels, so
+    the results equal adamw_update's there bit for bit."""
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [(1 - beta2**step) ** 0.5 for step in steps])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
+
 def quantized_update(
     param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: float,
     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -167,15 +187,17 @@ class AdamW4(torch.optim.Optimizer):
             here. True: require it (a ValueError says why not; on the CPU it runs under
             TRITON_INTERPRET=1, for tests). False: never. The state_dict is the same either way,
             so a run may switch.
-    All options but `fused` may differ per param group; a parameter's state layout is fixed at
-    its first step. maximize, amsgrad and foreach are not implemented (a ValueError if set).
-    The fused step rewrites the packed codes and block scales of m and v in place, so between
-    steps it holds, besides the states, only spares of the small fields that every program
-    reads while it writes their new values (the four fp32 amaxes and the roots of the rank-1
-    factors: 16 bytes per tensor and 4 per row and per column), and its launch tables (~200
-    bytes per tensor and 4 per 1024 elements); neither is counted by `state_bytes` nor saved.
-    During a step it allocates float64 row, column and total sums and float32 reciprocal roots
-    (12 bytes per row and per column), freed when the step returns.
+        cuda_graphs: on CUDA, the fused step captures its launches as a CUDA graph (at its
+            third step with the same tensors) and replays it, which spares the launches' host
+            time (the same kernels: the same bits). A step called inside another CUDA graph
+            capture is an error.
+    All options but `fused` and `cuda_graphs` may differ per param group; a parameter's state
+    layout is fixed at its first step. maximize, amsgrad and foreach are not implemented (a
+    ValueError if set).
+    The fused step rewrites the states in place; between steps it holds, besides them, its
+    launch tables (~200 bytes per tensor and 4 per 1024 elements), float64 row, column and total
+    sums of v and float32 reciprocal roots of its factors (12 bytes per row and per column), none
+    of them counted by `state_bytes` nor saved.
     """
 
     def __init__(
@@ -197,6 +219,7 @@ class AdamW4(torch.optim.Optimizer):
         amsgrad: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         for name, flag in (("maximize", maximize), ("amsgrad", amsgrad), ("foreach", foreach)):
             if flag:
@@ -205,9 +228,8 @@ class AdamW4(torch.optim.Optimizer):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         # Set before super().__init__, which adds the groups (and checks them).
         self.fused = fused
-        self._spares: dict[Tensor, dict[str, Tensor]] = {}
-        self._plans: dict = {}
-        self._step_views: dict = {}
+        self.cuda_graphs = cuda_graphs
+        self._reset_fused()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         transform=transform, state_rounding=state_rounding,
                         first_moment=first_moment, scaling=scaling, headroom=headroom,
@@ -215,13 +237,20 @@ class AdamW4(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "fused": self.fused}
+        return {**super().__getstate__(), "fused": self.fused, "cuda_graphs": self.cuda_graphs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Pickling keeps `fused` but not the fused step's spares and device tables.
+        # Pickling keeps the options but not the fused step's device tables and graphs.
         super().__setstate__(state)
         self.__dict__.setdefault("fused", None)
-        self._spares, self._plans, self._step_views = {}, {}, {}
+        self.__dict__.setdefault("cuda_graphs", True)
+        self._reset_fused()
+
+    def _reset_fused(self) -> None:
+        """Forget the fused step's plans (device tables, buffers, CUDA graphs) and caches."""
+        self._plans: dict = {}
+        self._step_views: dict = {}
+        self._fusable_ids: set[int] = set()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         _check_group({**self.defaults, **param_group})
@@ -244,17 +273,56 @@ class AdamW4(torch.optim.Optimizer):
         for group in self.param_groups:
             fused = self.fused is not False and not _unfusable_group(group)
             on_cpu = bool(self.fused) and _interpreted()  # the kernel under the interpreter
-            batch = []
+            batch, fp32 = [], []
             for p in group["params"]:
-                if p.grad is not None:
-                    if fused and self._fusable(p, group, on_cpu):
+                grad = p.grad
+                if grad is not None:
+                    # The checks of _fusable that can change from step to step, inline (~0.5 us
+                    # a parameter): the rest was checked once.
+                    if fused and id(p) in self._fusable_ids and (
+                            grad.dtype is torch.float32 and grad.layout is torch.strided
+                            and grad.is_contiguous()
+                            and not (grad.data_ptr() | p.data_ptr()) & 15) or (
+                            fused and self._fusable(p, group, on_cpu)):
                         batch.append((p, index))
+                    elif self._fp32_batchable(p, group):
+                        fp32.append(p)
                     else:
                         self._step_param(p, group, index)
                 index += 1
             if batch:
                 self._fused_step(batch, group)
+            if fp32:
+                self._fp32_step(fp32, group)
         return loss
+
+    def _fp32_batchable(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether p (with a gradient) keeps fp32 states and takes the batched fp32 step: a
+        float32 parameter with a dense float32 gradient."""
+        state = self.state[p]
+        if state:
+            if "exp_avg" not in state:
+                return False
+        elif not (group["transform"] == _NONE or keeps_fp32_state(p, group["min_numel"])):
+            return False
+        grad = p.grad
+        return (p.dtype == torch.float32 and grad.dtype == torch.float32
+                and grad.layout == torch.strided)
+
+    def _fp32_step(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        """The fp32-state parameters of a group in one set of multi-tensor (foreach) ops, those
+        of torch.optim.AdamW(foreach=True) in its order: one launch per op for all of them on
+        CUDA, instead of several per parameter."""
+        states = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, state)
+            states.append(state)
+        adamw_update_foreach(
+            params, [p.grad for p in params], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], self._count_steps(states), group["lr"],
+            *group["betas"], group["eps"], group["weight_decay"])
 
     def _fusable(self, p: Tensor, group: dict[str, Any], on_cpu: bool) -> bool:
         """Whether p (with a gradient, in a fusable group) takes the fused step: quantized
@@ -275,13 +343,14 @@ class AdamW4(torch.optim.Optimizer):
         elif p.data_ptr() % 16 or grad.data_ptr() % 16 or p.numel() >= 2**31:
             reason = "needs 16-byte aligned parameters and gradients of < 2**31 elements"
         if reason is None:
+            self._fusable_ids.add(id(p))
             return True
         if self.fused:
             raise ValueError(f"AdamW4(fused=True): {reason}")
         return False
 
     def _fused_step(self, batch: list[tuple[Tensor, int]], group: dict[str, Any]) -> None:
-        from ..kernels.adamw4 import SMALL, fused_step
+        from ..kernels.adamw4 import fused_step
 
         states = []
         for p, _ in batch:
@@ -297,19 +366,12 @@ class AdamW4(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for step, members in by_step.items():
             params = [batch[i][0] for i in members]
-            spares = []
-            for p in params:
-                spare = self._spares.get(p)
-                if spare is None:
-                    state = self.state[p]
-                    spare = self._spares[p] = {f: torch.empty_like(state[f]) for f in SMALL}
-                spares.append(spare)
             fused_step(
-                params, [p.grad for p in params], [states[i] for i in members], spares,
+                params, [p.grad for p in params], [states[i] for i in members],
                 [batch[i][1] for i in members], step, lr=group["lr"], beta1=beta1,
                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                headroom=float(group["headroom"]),
-                seed=group["seed"], cache=self._plans,
+                headroom=float(group["headroom"]), seed=group["seed"], cache=self._plans,
+                graphs=self.cuda_graphs,
             )
 
     def _count_steps(self, states: list[dict[str, Tensor]]) -> list[float]:
@@ -431,9 +493,7 @@ class AdamW4(torch.optim.Optimizer):
         for group in self.param_groups:  # saved before these options existed
             group.setdefault("scaling", DEFAULT_SCALING)
             group.setdefault("headroom", DEFAULT_HEADROOM)
-        self._spares.clear()
-        self._plans.clear()
-        self._step_views.clear()
+        self._reset_fused()
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params, strict=True):

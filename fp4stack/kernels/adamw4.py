@@ -61,12 +61,13 @@ from . import nvfp4_jit as jit
 from .nvfp4 import _launch_options
 
 # Tile of one program of the step and calibrate passes: BM rows x KB blocks of 16 (1024
-# elements), and its warps; and of the first step's sums pass, whose column sums are atomics per
-# tile (fewer, larger tiles: fewer atomics and cross-thread reductions per element).
+# elements), and its warps; and of the sums pass, whose column sums are atomics per tile
+# (larger tiles: fewer atomics and cross-thread reductions per element). Timed on the H200 with
+# benchmarks/bench_optim.py --sweep (docs/PERFORMANCE.md).
 BM = 8
 KB = 8
 NUM_WARPS = 4
-SUMS_BM = 32
+SUMS_BM = 16
 SUMS_KB = 8
 SUMS_WARPS = 4
 # Rows and columns per program of the factors launch.

@@ -14,6 +14,7 @@ otherwise its row is skipped.
 
     python benchmarks/bench_optim.py [--params 100e6] [--device cuda] [--out results.json]
     python benchmarks/bench_optim.py --model small     # a real model's parameters, norms too
+    python benchmarks/bench_optim.py --breakdown       # synchronized / pipelined / host / GPU time
     python benchmarks/bench_optim.py --sweep           # the fused step's time per kernel tiling
     python benchmarks/bench_optim.py --compile-check   # sm_90 compile + ptxas registers, no GPU
 """
@@ -123,6 +124,51 @@ def compile_check() -> list[str]:
     return lines
 
 
+def pipelined_ms(opt: torch.optim.Optimizer, steps: int = 30) -> float:
+    """Milliseconds per step of `steps` steps queued back to back (the host never waits)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def host_ms(opt: torch.optim.Optimizer, steps: int = 20) -> float:
+    """Median milliseconds step() takes to return while the GPU is kept busy (a long sleep
+    kernel queued first), so nothing waits for it: the host's own time."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def breakdown(params: list[torch.nn.Parameter], device: torch.device, reps: int) -> None:
+    """Where the step's time goes: synchronized, pipelined, host and GPU (kernel) time."""
+    from fp4stack.kernels.profiling import kernel_times
+
+    makers = {
+        "torch AdamW (fused)": lambda: torch.optim.AdamW(params, lr=1e-3, fused=True),
+        "AdamW4, CUDA graph off": lambda: AdamW4(params, lr=1e-3, fused=True,
+                                                 cuda_graphs=False),
+        "AdamW4 (default)": lambda: AdamW4(params, lr=1e-3, fused=True),
+    }
+    print("| step | synchronized ms | pipelined ms | host ms | GPU ms |\n|---|---:|---:|---:|---:|")
+    for name, make in makers.items():
+        opt = make()
+        for _ in range(3):
+            opt.step()
+        sync, pipe, host = time_step(opt, device, reps), pipelined_ms(opt), host_ms(opt)
+        gpu = sum(ms for _, _, ms in kernel_times(opt.step))
+        print(f"| {name} | {sync:.2f} | {pipe:.2f} | {host:.2f} | {gpu:.2f} |")
+        del opt
+
+
 # (BM, KB, warps) of the step pass, then of the sums pass, timed by --sweep.
 SWEEP = (((8, 8, 4), (16, 8, 4)), ((16, 8, 8), (16, 8, 4)), ((8, 16, 8), (16, 8, 4)),
          ((4, 8, 2), (16, 8, 4)), ((16, 8, 4), (16, 8, 4)), ((8, 8, 4), (32, 8, 4)),
@@ -158,6 +204,9 @@ def main() -> None:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--profile", action="store_true",
                    help="also print the CUDA time of each kernel of one AdamW4 and Muon4 step")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only the synchronized, pipelined, host and GPU time of torch's fused "
+                        "AdamW and AdamW4's fused step (CUDA)")
     p.add_argument("--sweep", action="store_true",
                    help="only time the fused AdamW4 step for several kernel tilings (CUDA)")
     p.add_argument("--compile-check", action="store_true",
@@ -179,9 +228,9 @@ def main() -> None:
         q.grad = torch.randn_like(q) * 1e-3
     n = sum(q.numel() for q in params)
     cuda = device.type == "cuda"
-    if args.sweep:
-        print(f"{n / 1e6:.1f}M parameters in {len(params)} matrices, device {device}")
-        sweep(params, device, args.reps)
+    if args.sweep or args.breakdown:
+        print(f"{n / 1e6:.1f}M parameters in {len(params)} tensors, device {device}")
+        (sweep if args.sweep else breakdown)(params, device, args.reps)
         return
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     makers = {

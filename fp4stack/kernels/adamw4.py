@@ -1,53 +1,56 @@
-"""Fused AdamW4 step: every NVFP4-state tensor of a param group in one pass over its elements.
+"""Fused AdamW4 step: every NVFP4-state tensor of a param group in two passes over its elements.
 
 Bit-exact with the reference step (fp4stack/optim/adamw4.py, `AdamW4._step_param`) for the
 default settings: transform "rank1", stochastic state rounding, first moment stored normalized,
 delayed scaling.
 
-With delayed scaling everything a step encodes the moments with is known before it starts: the
-tensor amaxes of the stored m and v (`headroom` times those of the previous step) and the
-rank-1 factors of v (those of the previous step's v). So a step is one pass over the elements
-and a tiny launch per row and column after it:
+With delayed scaling the tensor amaxes of the stored m and v are known before the step
+(`headroom` times those of the previous step), so of the reference's global reductions only one
+precedes the quantization: the rank-1 factors of the new v. A step is two passes over the
+tensors, the second recomputing from the gradient and the old packed states what the first
+computed, and two tiny launches per row and column:
 
     memset          the float64 row, column and total sums of the new v
+    pass "sums":    the new v; its sums (atomics)
+    "factors":      per row and column: the roots of the new rank-1 factors and their
+                    reciprocals, from the sums, into scratch
     pass "step":    p updated in place; v and m quantized (stochastic rounding) with the
-                    delayed amaxes and factors, their codes and block scales written over the
-                    old ones in place; float64 row, column and total sums of the new v, and
-                    the amaxes of the stored forms (atomics)
-    "factors":      per row and column: the factors the step encoded with become those v is
-                    decoded with, the roots of the new v's factors (from the sums) the next
-                    ones, and their reciprocals; per tensor: the amaxes roll over (this step's
-                    encoding amaxes become the decoding ones, headroom x the new maxima the
-                    next ones)
+                    delayed amaxes, their codes and block scales written over the old ones in
+                    place; the amaxes of the stored forms (atomic max into scratch)
+    "roll":         the new roots of the factors into the state; per tensor, the amaxes roll
+                    over (this step's encoding amaxes become the decoding ones, headroom x the
+                    new maxima the next ones)
 
-The first step of a tensor has none of these yet and takes its own, as the reference does: a
-"sums" pass and a "factors" launch give the rank-1 factors of its v, and a "calibrate" pass the
-amaxes, before the step pass.
+The first step of a tensor has no previous amaxes: a "calibrate" pass between "factors" and
+"step" takes them from the step's own v and m (as the reference does).
 
 Memory. Each program of the step pass reads the old codes and block scales of its own tile only
 (the block floor of v uses the scale of the same block), so after a barrier it overwrites them
-with the new ones; every field that all programs read (amaxes, factors) changes only in the
-factors launch, after the pass. Resident between steps, besides the states (1.125 bytes per
-parameter and 16 bytes per row and per column, see AdamW4.state_bytes): the launch tables (8 x
-NMETA bytes and a gradient pointer per tensor, 4 bytes per tile of 1024 elements and per line
-of 1024 rows or columns), float64 sums and float32 reciprocal roots (12 bytes per row and per
-column), and a float32 pair per tensor for the new amaxes.
+with the new ones; the fields that every program reads (amaxes, roots of the factors) change
+only in the roll launch, after the pass. Resident between steps, besides the states: the launch
+tables (8 x NMETA bytes and a gradient pointer per tensor, 4 bytes per tile of 1024 elements
+and of the sums pass, and per line of 1024 rows or columns), float64 sums and float32 roots and
+reciprocal roots (16 bytes per row and per column), and a float32 pair per tensor for the new
+amaxes.
 
 One launch covers all tensors: a table of per-tensor pointers and sizes (`meta`), a work list
 mapping each program to its tensor, tiles of BM rows x KB 16-element blocks. The per-step
 scalars (learning rate, bias corrections, the step for the rounding seeds) are read from a
-small device buffer, not passed as arguments, so the launches of a step can be captured once as
-a CUDA graph and replayed (on CUDA, from the third step with the same tensors: `StepPlan`);
-tensors are launched together only when their step counts agree (the caller groups them).
-Bytes per parameter and step: gradient 4, parameter 8 (read and write), old packed v and m
-0.5625 each, the new ones 1.125 written: about 14.3, against 28 for torch's fused AdamW (fp32
-p, grad, m, v). Square roots and divisions are exact (sqrt.rn / div.rn, several instructions
-each, as bit-exactness needs): three per element (sqrt(v), the update, m over the root of v read
-back); the rank-1 transform needs none of its own (see optim/state_transforms.py).
+small device buffer, not passed as arguments, so the launches of a step are the same every step
+and are captured once as a CUDA graph and replayed (on CUDA, from the third step with the same
+tensors: `StepPlan.run`); tensors are launched together only when their step counts agree (the
+caller groups them). Where every tile is full (EVEN) the passes drop their bounds masks.
+Bytes per parameter and step: gradient 4 x 2, parameter 8 (read and write), old packed v
+0.5625 x 2 and m 0.5625, the new m and v 1.125 written: about 18.8, against 28 for torch's
+fused AdamW (fp32 p, grad, m, v). Square roots and divisions are exact (sqrt.rn / div.rn,
+several instructions each, as bit-exactness needs): three per element (sqrt(v), the update,
+m over the root of v read back); the rank-1 transform needs none of its own (see
+optim/state_transforms.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import torch
@@ -611,10 +614,13 @@ def fused_step(
     plan.set_scalars(step_scalars(step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                   weight_decay=weight_decay, headroom=headroom, seed=seed))
     decay = weight_decay != 0
-    if step == 1:  # no previous amaxes or factors: the step's own (see the module docstring)
-        plan.run_first(decay)
-    else:
-        plan.run(decay, graphs and plan.device.type == "cuda")
+    cuda = plan.device.type == "cuda"
+    # Launches and captures go to the current device's stream: make it the tensors' device.
+    with torch.cuda.device(plan.device) if cuda else contextlib.nullcontext():
+        if step == 1:  # no previous amaxes: the step's own (see the module docstring)
+            plan.run_first(decay)
+        else:
+            plan.run(decay, graphs and cuda)
 
 
 def _capturing(p: Tensor) -> bool:

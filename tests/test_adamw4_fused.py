@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fp4stack.kernels.adamw4 as fused_kernels
+import fp4stack.kernels.adamw4_step as fused_launch
 from fp4stack.optim import AdamW4
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -216,8 +217,8 @@ def test_fused_equals_reference_when_rows_span_decades(device, wide_tiles):
 
 def test_fused_path_is_taken_and_the_reference_is_not(monkeypatch, wide_tiles):
     calls = []
-    real = fused_kernels.fused_step
-    monkeypatch.setattr(fused_kernels, "fused_step",
+    real = fused_launch.fused_step
+    monkeypatch.setattr(fused_launch, "fused_step",
                         lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
 
     def refuse(*args):
@@ -233,7 +234,7 @@ def test_fused_path_is_taken_and_the_reference_is_not(monkeypatch, wide_tiles):
 
 
 def test_fused_none_on_the_cpu_takes_the_reference(monkeypatch):
-    monkeypatch.setattr(fused_kernels, "fused_step", None)  # would fail if called
+    monkeypatch.setattr(fused_launch, "fused_step", None)  # would fail if called
     p = torch.nn.Parameter(randn(32, 64))
     p.grad = randn(32, 64, seed=1)
     opt = AdamW4([p], min_numel=0)

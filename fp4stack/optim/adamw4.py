@@ -140,8 +140,8 @@ class AdamW4(torch.optim.Optimizer):
     ValueError if set).
     The fused step rewrites the states in place; between steps it holds, besides them, its
     launch tables (~200 bytes per tensor and 4 per 1024 elements), float64 row, column and total
-    sums of v and float32 reciprocal roots of its factors (12 bytes per row and per column), none
-    of them counted by `state_bytes` nor saved.
+    sums of v and float32 roots and reciprocal roots of its factors (16 bytes per row and per
+    column), none of them counted by `state_bytes` nor saved.
     """
 
     def __init__(

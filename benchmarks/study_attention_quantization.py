@@ -15,9 +15,15 @@ averaged over the blocks):
   it is what the method's "the two passes see the same numbers" is about. Defined where the
   forward is attention on Q̂, K̂, V̂ (all three quantized, P not); "-" elsewhere.
 
+With --weight-grads, a third table: the error of the model's weight gradients (what the
+optimizer sees), summed over training batches, when every attention block of the checkpoint's
+GPT runs fp4_attention with a given setting and everything else is exact (float64): per-call
+gradient errors that are systematic add up in the weight gradients; those that vary from token
+to token and batch to batch partly cancel.
+
     python benchmarks/study_attention_quantization.py \
         --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
-        --config configs/pretrain/tiny.yaml
+        --config configs/pretrain/tiny.yaml [--weight-grads 8]
 """
 
 from __future__ import annotations
@@ -129,6 +135,65 @@ def table(samples, title: str) -> None:
         print(f"| {name} | " + " | ".join(means) + " |")
 
 
+WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
+    "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
+    "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)")}
+
+
+def weight_grads(checkpoint: Path, config: str, batches: int,
+                 attention: AttentionQuant) -> list[dict[str, torch.Tensor]]:
+    """Per training batch, the float64 gradients of every parameter of the checkpoint's GPT with
+    its attention blocks running fp4_attention(config=attention)."""
+    cfg = load_config(config)
+    train, val = open_data(cfg)
+    model = GPT(cfg.model_config(val.vocab_size))
+    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    model.double()
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.attend = (lambda q, k, v, mask=None: fp4_attention(
+                q, k, v, causal=mask is None, mask=mask, config=attention, backend="torch"))
+    grads = []
+    for step in range(batches):
+        x, y = train.train_batch(step, cfg.global_batch_size, cfg.seq_len, seed=cfg.seed)
+        model.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return grads
+
+
+def weight_grad_table(checkpoint: Path, config: str, batches: int) -> None:
+    """Relative error of the attention projections' weight gradients against exact attention's:
+    per batch (mean over batches), and of their sum over the batches."""
+    exact_grads = weight_grads(checkpoint, config, batches, AttentionQuant.off())
+    groups = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
+
+    def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        num = sum(((x - y) ** 2).sum() for x, y in zip(a, b, strict=True))
+        return float((num / sum((y**2).sum() for y in b)).sqrt())
+
+    print(f"\nWeight gradients of the attention projections ({batches} training batches; "
+          "relative error against exact attention, all blocks together)\n")
+    print("| quantized | " + " | ".join(f"W_{g} per batch | W_{g} summed" for g in
+                                          groups.values()) + " | all params summed |")
+    print("|---|" + "---:|" * (2 * len(groups) + 1))
+    for name, cfg in WEIGHT_GRAD_CONFIGS.items():
+        got = weight_grads(checkpoint, config, batches, cfg)
+        cells = []
+        for key in groups:
+            names = [n for n in exact_grads[0] if key in n]
+            per_batch = [rel([g[n] for n in names], [e[n] for n in names])
+                         for g, e in zip(got, exact_grads, strict=True)]
+            summed = rel([sum(g[n] for g in got) for n in names],
+                         [sum(e[n] for e in exact_grads) for n in names])
+            cells += [f"{sum(per_batch) / len(per_batch):.2e}", f"{summed:.2e}"]
+        every = list(exact_grads[0])
+        total = rel([sum(g[n] for g in got) for n in every],
+                    [sum(e[n] for e in exact_grads) for n in every])
+        print(f"| {name} | " + " | ".join(cells) + f" | {total:.2e} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, required=True,
@@ -136,12 +201,16 @@ def main() -> None:
     p.add_argument("--config", default="configs/pretrain/tiny.yaml",
                    help="the pretraining config the checkpoint was trained with")
     p.add_argument("--batches", type=int, default=1, help="validation batches to capture")
+    p.add_argument("--weight-grads", type=int, default=0, metavar="N",
+                   help="also the weight-gradient table over N training batches")
     args = p.parse_args()
     torch.manual_seed(0)
     real = capture(args.checkpoint, args.config, args.batches)
     table(real, f"Real activations: {args.checkpoint}")
     gauss = [tuple(torch.randn(t.shape, dtype=torch.float64) for t in s) for s in real]
     table(gauss, "Unit Gaussian q, k, v, dO of the same shapes")
+    if args.weight_grads:
+        weight_grad_table(args.checkpoint, args.config, args.weight_grads)
 
 
 if __name__ == "__main__":

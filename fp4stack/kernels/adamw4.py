@@ -77,10 +77,9 @@ FIELDS = ("exp_avg_data", "exp_avg_scales", "exp_avg_amax", "exp_avg_next_amax",
 # Columns of the per-tensor table: the parameter, the state fields, then sizes and offsets
 # (tl.constexpr: the kernel reads them as compile-time constants).
 _P = tl.constexpr(0)
-_F = tl.constexpr(1)
 _MD, _MS, _MA, _MN, _VD, _VS, _VA, _VN, _ROW, _COL = (
-    tl.constexpr(1 + i) for i in range(len(FIELDS)))
-_ROWS = tl.constexpr(1 + len(FIELDS))
+    tl.constexpr(_P + 1 + i) for i in range(len(FIELDS)))
+_ROWS = tl.constexpr(_P + 1 + len(FIELDS))
 _COLS = tl.constexpr(_ROWS + 1)
 _SCRATCH = tl.constexpr(_ROWS + 2)  # offset of its sums, roots, reciprocal roots in the scratch
 _INDEX = tl.constexpr(_ROWS + 3)  # the parameter's index in the optimizer (rounding seeds)

@@ -134,14 +134,14 @@ class StepPlan:
         self._launch(kern.STEP.value, decay)
         self._launch_factors(kern.ROLL.value)
 
-    def run_first(self, decay: bool) -> None:
-        """A first step: it calibrates the amaxes on its own v and m (module docstring)."""
-        self._launch_step(decay, first=True)
-
-    def run(self, decay: bool, graphs: bool) -> None:
-        """A step after the first. With `graphs` (CUDA, not inside another capture), the
-        second run with the same `decay` captures its launches as a CUDA graph (the first
-        compiled the kernels) and every later one replays it."""
+    def run(self, decay: bool, graphs: bool, first: bool = False) -> None:
+        """One step. A first step calibrates the amaxes on its own v and m (kernels/adamw4.py)
+        and is launched directly. After it, with `graphs` (CUDA), the second run with the same
+        `decay` captures its launches as a CUDA graph (the first compiled the kernels) and every
+        later one replays it."""
+        if first:
+            self._launch_step(decay, first=True)
+            return
         graph = self.graphs.get(decay)
         if graph is not None:
             graph.replay()
@@ -208,10 +208,8 @@ def fused_step(
     cuda = plan.device.type == "cuda"
     # Launches and captures go to the current device's stream: make it the tensors' device.
     with torch.cuda.device(plan.device) if cuda else contextlib.nullcontext():
-        if step == 1:  # no previous amaxes: the step's own (see the module docstring)
-            plan.run_first(decay)
-        else:
-            plan.run(decay, graphs and cuda)
+        # A first step has no previous amaxes: it takes its own (kernels/adamw4.py).
+        plan.run(decay, graphs and cuda, first=step == 1)
 
 
 def _capturing(p: Tensor) -> bool:

@@ -88,31 +88,38 @@ def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) ->
 def compile_check() -> list[str]:
     """Compile the fused AdamW4 step's passes for sm_90 without a GPU (the step pass with and
     without weight decay, with and without masks); report ptxas's registers and spills and the
-    static SASS instruction count (per element: the passes have no loops) where it can."""
+    static SASS instruction count per element where it can (the sums pass's loop body counts
+    once per iteration: its count is divided by the elements of one iteration)."""
     from fp4stack.kernels.hopper import compile_sm90
 
     lines = []
     types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64", scal_ptr="*fp32",
-                 iscal_ptr="*i32", sums_ptr="*fp64", roots_ptr="*fp32", inv_ptr="*fp32",
-                 pending_ptr="*fp32")
-    variants = [(kernels.SUMS.value, "sums", False, True),
-                (kernels.CALIBRATE.value, "calibrate", False, True),
+                 iscal_ptr="*i32", roots_ptr="*fp32", inv_ptr="*fp32", pending_ptr="*fp32")
+
+    def report(name: str, build, elements_per_thread: int) -> None:
+        per = ""
+        if build.sass_instructions is not None:
+            per = f" (~{build.sass_instructions / elements_per_thread:.0f} per element)"
+        lines.append(f"adamw4 {name}: {build.describe()}{per}")
+        print(lines[-1])
+
+    for even in (True, False):
+        consts = dict(EVEN=even, BM=kernels.SUMS_BM, KB=kernels.SUMS_KB, ITERS=1)
+        build = compile_sm90(kernels.adamw4_sums_kernel,
+                             dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64",
+                                  scal_ptr="*fp32", sums_ptr="*fp64"),
+                             consts, num_warps=kernels.SUMS_WARPS, default="fp32")
+        report(f"pass sums (one iteration) full tiles={even}", build,
+               kernels.SUMS_BM * kernels.SUMS_KB * 16 // (32 * kernels.SUMS_WARPS))
+    variants = [(kernels.CALIBRATE.value, "calibrate", False, True),
                 *((kernels.STEP.value, "step", decay, even)
                   for decay in (True, False) for even in (True, False))]
     for pass_, name, decay, even in variants:
-        sums = pass_ == kernels.SUMS.value
-        bm, kb, warps = ((kernels.SUMS_BM, kernels.SUMS_KB, kernels.SUMS_WARPS) if sums
-                         else (kernels.BM, kernels.KB, kernels.NUM_WARPS))
-        consts = dict(PASS=pass_, DECAY=decay, EVEN=even, BM=bm, KB=kb)
-        build = compile_sm90(kernels.adamw4_kernel, types, consts, num_warps=warps,
+        consts = dict(PASS=pass_, DECAY=decay, EVEN=even, BM=kernels.BM, KB=kernels.KB)
+        build = compile_sm90(kernels.adamw4_kernel, types, consts, num_warps=kernels.NUM_WARPS,
                              default="fp32")
-        per = ""
-        if build.sass_instructions is not None:  # elements per thread of a program
-            per_thread = bm * kb * 16 // (32 * warps)
-            per = f" (~{build.sass_instructions / per_thread:.0f} per element)"
-        lines.append(f"adamw4 pass {name} decay={decay} full tiles={even}: {build.describe()}"
-                     f"{per}")
-        print(lines[-1])
+        report(f"pass {name} decay={decay} full tiles={even}", build,
+               kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS))
     for mode, name in ((kernels.FACTORS.value, "factors"), (kernels.ROLL.value, "roll")):
         build = compile_sm90(kernels.adamw4_factors_kernel,
                              dict(work_ptr="*i32", meta_ptr="*i64", scal_ptr="*fp32",
@@ -164,32 +171,41 @@ def breakdown(params: list[torch.nn.Parameter], device: torch.device, reps: int)
         for _ in range(3):
             opt.step()
         sync, pipe, host = time_step(opt, device, reps), pipelined_ms(opt), host_ms(opt)
-        gpu = sum(ms for _, _, ms in kernel_times(opt.step))
+        kernels_ms = kernel_times(opt.step)
+        gpu = sum(ms for _, _, ms in kernels_ms)
         print(f"| {name} | {sync:.2f} | {pipe:.2f} | {host:.2f} | {gpu:.2f} |")
         del opt
+    print("\nAdamW4 (default), GPU time per kernel:\n\n| kernel | launches | ms |\n|---|---:|---:|")
+    for name, launches, ms in kernels_ms:
+        print(f"| {name} | {launches} | {ms:.3f} |")
 
 
-# (BM, KB, warps) of the step pass, then of the sums pass, timed by --sweep.
-SWEEP = (((8, 8, 4), (16, 8, 4)), ((16, 8, 8), (16, 8, 4)), ((8, 16, 8), (16, 8, 4)),
-         ((4, 8, 2), (16, 8, 4)), ((16, 8, 4), (16, 8, 4)), ((8, 8, 4), (32, 8, 4)),
-         ((8, 8, 4), (16, 8, 2)), ((8, 8, 4), (64, 8, 8)), ((8, 8, 4), (32, 16, 8)))
+# (BM, KB, warps) of the step pass, then (BM, KB, iterations, warps) of the sums pass, timed
+# by --sweep.
+SWEEP = (((8, 8, 4), (8, 8, 8, 4)), ((16, 8, 8), (8, 8, 8, 4)), ((8, 16, 8), (8, 8, 8, 4)),
+         ((8, 8, 4), (8, 8, 4, 4)), ((8, 8, 4), (8, 8, 16, 4)), ((8, 8, 4), (16, 8, 8, 4)),
+         ((8, 8, 4), (8, 16, 8, 4)), ((8, 8, 4), (8, 8, 8, 2)), ((8, 8, 4), (32, 8, 4, 8)))
+_TILE_NAMES = ("BM", "KB", "NUM_WARPS", "SUMS_BM", "SUMS_KB", "SUMS_ITERS", "SUMS_WARPS")
 
 
 def sweep(params: list[torch.nn.Parameter], device: torch.device, reps: int) -> None:
     """Time the fused AdamW4 step for each tiling of SWEEP (module constants of the kernel)."""
-    defaults = (kernels.BM, kernels.KB, kernels.NUM_WARPS, kernels.SUMS_BM, kernels.SUMS_KB,
-                kernels.SUMS_WARPS)
-    print("| step tile (BM, KB, warps) | sums tile | step ms |\n|---|---|---:|")
+    from fp4stack.kernels.profiling import kernel_times
+
+    defaults = [getattr(kernels, n) for n in _TILE_NAMES]
+    print("| step tile (BM, KB, warps) | sums tile (BM, KB, iterations, warps) | step ms | "
+          "GPU ms |\n|---|---|---:|---:|")
     for step_tile, sums_tile in SWEEP:
-        (kernels.BM, kernels.KB, kernels.NUM_WARPS), (
-            kernels.SUMS_BM, kernels.SUMS_KB, kernels.SUMS_WARPS) = step_tile, sums_tile
+        for n, v in zip(_TILE_NAMES, (*step_tile, *sums_tile), strict=True):
+            setattr(kernels, n, v)
         opt = AdamW4(params, lr=1e-3, fused=True)
         for _ in range(3):  # the states and the CUDA graph exist
             opt.step()
-        print(f"| {step_tile} | {sums_tile} | {time_step(opt, device, reps):.3f} |")
+        gpu = sum(ms for _, _, ms in kernel_times(opt.step))
+        print(f"| {step_tile} | {sums_tile} | {time_step(opt, device, reps):.3f} | {gpu:.3f} |")
         del opt
-    (kernels.BM, kernels.KB, kernels.NUM_WARPS, kernels.SUMS_BM, kernels.SUMS_KB,
-     kernels.SUMS_WARPS) = defaults
+    for n, v in zip(_TILE_NAMES, defaults, strict=True):
+        setattr(kernels, n, v)
 
 
 def main() -> None:

@@ -89,9 +89,9 @@ def assert_same(fused, reference):
 
 def shapes_for(device):
     if device == "cpu":
-        # A 3-D param, rows not a multiple of the tile, last dims 16 and 80 (5 blocks), 1-D and
-        # small params with fp32 states (min_numel=256).
-        return [(40, 48), (3, 6, 160), (20, 16), (33, 80), (48,), (8, 16)]
+        # A 3-D param, rows not a multiple of the tile (and more than one sums tile of rows),
+        # last dims 16 and 80 (5 blocks), 1-D and small params with fp32 states (min_numel=256).
+        return [(72, 48), (3, 6, 160), (20, 16), (33, 80), (48,), (8, 16)]
     return [(1000, 48), (3, 50, 160), (300, 16), (333, 1040), (48,), (8, 16), (64, 4096)]
 
 
@@ -108,13 +108,14 @@ def test_fused_equals_reference_for_assorted_shapes(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_equals_reference_with_full_tiles(device):
-    # Every tile full (rows a multiple of BM, blocks of KB): the kernel drops its masks.
+    # Every tile full (rows a multiple of the step and sums tiles', blocks of KB): the kernels
+    # drop their masks.
     scale = 1 if device == "cpu" else 16
-    shapes = [(16 * scale, 128), (8, 256 * scale)]
+    shapes = [(64 * scale, 128), (64, 256 * scale)]
     runs = twin_runs([shapes], [{}], device, 3, min_numel=0, lr=0.3)
     for _, fused, reference in runs:
         assert_same(fused, reference)
-    assert all(plan.even for plan in fused._plans.values())
+    assert all(plan.even and plan.even_sums for plan in fused._plans.values())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,6 +155,30 @@ def test_graph_replays_equal_eager_launches():
                 p.grad = make_grad(p.shape, 10 * step + i, "cuda", decades=4.0)
             opt.step()
         assert bool(any(plan.graphs for plan in opt._plans.values())) == graphs
+        results.append(opt)
+    assert_same(*results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_scalars_stay_right_with_the_host_far_ahead_of_the_gpu():
+    # The per-step scalars go up from a ring of pinned buffers: queue more steps than it has
+    # slots behind a long GPU sleep, the lr changing every step, so that a slot is reused while
+    # earlier copies may not have run yet.
+    from fp4stack.kernels.adamw4_step import SCALAR_SLOTS
+
+    steps = 2 * SCALAR_SLOTS + 3
+    grads = [make_grad((64, 256), step, "cuda") for step in range(steps)]
+    results = []
+    for fused in (True, False):
+        p = torch.nn.Parameter(randn(64, 256, device="cuda"))
+        opt = AdamW4([p], lr=0.1, min_numel=0, fused=fused)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e9))
+        for step in range(steps):
+            opt.param_groups[0]["lr"] = 0.1 / (step + 1)
+            p.grad = grads[step]
+            opt.step()
+        torch.cuda.synchronize()
         results.append(opt)
     assert_same(*results)
 

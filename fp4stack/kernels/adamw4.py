@@ -11,7 +11,9 @@ tensors, the second recomputing from the gradient and the old packed states what
 computed, and two tiny launches per row and column:
 
     memset          the float64 row, column and total sums of the new v
-    pass "sums":    the new v; its sums (atomics)
+    pass "sums":    the new v; its sums (adamw4_sums_kernel: a program walks a strip of columns
+                    row chunk by row chunk, its column sums in registers, one atomic per column
+                    and program; per row chunk one per row)
     "factors":      per row and column: the roots of the new rank-1 factors and their
                     reciprocals, from the sums, into scratch
     pass "step":    p updated in place; v and m quantized (stochastic rounding) with the
@@ -56,15 +58,16 @@ import triton.language as tl
 from . import nvfp4_jit as jit
 
 # Tile of one program of the step and calibrate passes: BM rows x KB blocks of 16 (1024
-# elements), and its warps; and of the sums pass, whose column sums are atomics per tile
-# (larger tiles: fewer atomics and cross-thread reductions per element). Timed on the H200 with
-# benchmarks/bench_optim.py --sweep (docs/PERFORMANCE.md).
+# elements), and its warps. The sums pass loops over SUMS_ITERS chunks of SUMS_BM rows x SUMS_KB
+# blocks (its column sums accumulate in registers, so more rows per program mean fewer
+# atomics). Timed on the H200 (docs/PERFORMANCE.md).
 BM = 8
 KB = 8
 NUM_WARPS = 4
-SUMS_BM = 16
+SUMS_BM = 2
 SUMS_KB = 8
-SUMS_WARPS = 4
+SUMS_ITERS = 32
+SUMS_WARPS = 1
 # Rows and columns per program of the factors launch.
 LINE = 1024
 
@@ -92,7 +95,7 @@ _PENDING = tl.constexpr(_ROWS + 9)  # offset of its new amaxes (m, v) in the pen
 NMETA = tl.constexpr(_ROWS + 10)
 
 # Passes of adamw4_kernel (the host passes their .value), and modes of adamw4_factors_kernel.
-SUMS, CALIBRATE, STEP = (tl.constexpr(i) for i in range(3))
+CALIBRATE, STEP = (tl.constexpr(i) for i in range(2))
 FACTORS, FACTORS_FIRST, ROLL = (tl.constexpr(i) for i in range(3))
 # The per-step scalars buffer: float32 values, then int32 ones (`step_scalars`).
 _DECAY, _W1, _BETA2, _W2, _INV_BC2, _EPS, _NEG_STEP, _HEADROOM, _SEED, _STEP = (
@@ -216,7 +219,8 @@ def _store_codes(data, scales, boff, soff, m4, bmask, code_lo, code_hi, sbits):
 @triton.jit
 def _max_into(ptr, bmax):
     """Raise *ptr to the largest of this tile's block amaxes [BM, KB]."""
-    tl.atomic_max(ptr, tl.reduce(tl.reduce(bmax, 1, jit.max_nan), 0, jit.max_nan))
+    tl.atomic_max(ptr, tl.reduce(tl.reduce(bmax, 1, jit.max_nan), 0, jit.max_nan),
+                  sem="relaxed")
 
 
 @triton.jit
@@ -226,148 +230,228 @@ def _pair(ptr, col, mask):
 
 
 @triton.jit
-def _add_sums(sums, rows, col, R, K, v_lo, v_hi, row_ok, col_ok):
-    """Add a tile's v into the float64 row, column and total sums (state_transforms.rank1_roots)."""
-    v64_lo = v_lo.to(tl.float64)
-    v64_hi = v_hi.to(tl.float64)
-    rsum = tl.sum(tl.sum(v64_lo, 2), 1) + tl.sum(tl.sum(v64_hi, 2), 1)
-    tl.atomic_add(sums + rows, rsum, mask=row_ok)
-    tl.atomic_add(sums + R + col, tl.sum(v64_lo, 0)[None, :, :], mask=col_ok)
-    tl.atomic_add(sums + R + col + 8, tl.sum(v64_hi, 0)[None, :, :], mask=col_ok)
-    tl.atomic_add(sums + R + K, tl.sum(rsum, 0))
-
-
-@triton.jit
-def adamw4_kernel(
-    work_ptr, meta_ptr, grad_ptrs, scal_ptr, iscal_ptr, sums_ptr, roots_ptr, inv_ptr, pending_ptr,
-    PASS: tl.constexpr, DECAY: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-    KB: tl.constexpr,
-):
-    """One pass (SUMS, CALIBRATE or STEP, see the module docstring) over one tile of one tensor.
-    scal_ptr / iscal_ptr: the step's float32 / int32 scalars (one buffer); sums_ptr: float64 row,
-    column and total sums of the new v per tensor; roots_ptr, inv_ptr: float32 roots of the new
-    v's rank-1 factors and their reciprocals, rows then columns, at the same offsets;
-    pending_ptr: the new amaxes of the stored m and v per tensor. EVEN: every tile is full (no
-    masks)."""
-    pid = tl.program_id(0)
-    t = tl.load(work_ptr + pid)
-    meta = meta_ptr + t * NMETA
-    # int32 offsets (the host fuses tensors of < 2**31 elements only); K is a multiple of 16.
-    R = tl.load(meta + _ROWS).to(tl.int32)
-    K = tl.multiple_of(tl.load(meta + _COLS).to(tl.int32), 16)
-    tiling = meta + (2 if PASS == SUMS else 0)  # the sums pass's tiles, or the others'
-    tile = (pid - tl.load(tiling + _TILE0)).to(tl.int32)
-    col_tiles = tl.load(tiling + _COL_TILES).to(tl.int32)
-    tr = tile // col_tiles
-    tc = tile % col_tiles
-    rows = tr * BM + tl.arange(0, BM)
-    kbs = tc * KB + tl.arange(0, KB)
-    col = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]  # [1, KB, 8]: lo columns
-    if EVEN:
-        row_ok = None
-        col_ok = None
-        bmask = None
-        m8 = None
-        m4 = None
-    else:
-        row_ok = rows < R
-        col_ok = col < K
-        bmask = row_ok[:, None] & (kbs < K // 16)[None, :]
-        m8 = bmask[:, :, None] & (tl.arange(0, 8) < 8)[None, None, :]
-        m4 = bmask[:, :, None] & (tl.arange(0, 4) < 4)[None, None, :]
+def _offsets(rows, kbs, K):
+    """Offsets in the tile rows x blocks kbs: lo columns [1, KB, 8], elements, bytes of the
+    codes, block scales."""
+    col = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     eoff = rows[:, None, None] * K + col  # element offsets (lo; hi is +8)
     boff = rows[:, None, None] * (K // 2) + kbs[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
     soff = rows[:, None] * (K // 16) + kbs[None, :]
-    scratch = tl.load(meta + _SCRATCH)
-    sums = sums_ptr + scratch
-    inv = inv_ptr + scratch
-    beta2 = tl.load(scal_ptr + _BETA2)
-    w2 = tl.load(scal_ptr + _W2)
+    return col, eoff, boff, soff
 
-    # The new v, from the gradient and the old states.
-    gp = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+
+@triton.jit
+def _masks(rows, kbs, col, R, K):
+    """Masks of a partial tile: rows, columns, blocks, elements (lo), code bytes."""
+    row_ok = rows < R
+    bmask = row_ok[:, None] & (kbs < K // 16)[None, :]
+    m8 = bmask[:, :, None] & (tl.arange(0, 8) < 8)[None, None, :]
+    m4 = bmask[:, :, None] & (tl.arange(0, 4) < 4)[None, None, :]
+    return row_ok, col < K, bmask, m8, m4
+
+
+@triton.jit
+def _v_loads(gp, vd, vs, row_root, rows, eoff, boff, soff, row_ok, bmask, m8, m4):
+    """What the new v of a tile reads, row by row: the gradient (lo, hi), the old v's code bytes
+    (lo, hi) and block scale bits (from its fields vd, vs), its old row roots."""
     g_lo = _load(gp + eoff, m8)
     g_hi = _load(gp + eoff + 8, m8)
-    x_lo, x_hi, s, dec = _decode(meta, _VD, boff, soff, m4, bmask)
-    row_old = _load(_field(meta, _ROW, tl.float32) + rows, row_ok)
-    col_lo, col_hi = _pair(_field(meta, _COL, tl.float32), col, col_ok)
+    b_lo = _load(vd + boff, m4)
+    b_hi = _load(vd + boff + 4, m4)
+    sbits = _load(vs + soff, bmask)
+    row_old = _load(row_root + rows, row_ok)
+    return g_lo, g_hi, b_lo, b_hi, sbits, row_old
+
+
+@triton.jit
+def _v_from(g_lo, g_hi, b_lo, b_hi, sbits, row_old, col_lo, col_hi, dec, beta2, w2, m8,
+            EVEN: tl.constexpr):
+    """The new v of a tile (lo, hi; 0 where masked) from _v_loads's values, the old column
+    roots and the old v's decode scale; and the roots of the old v as read back."""
+    x_lo, x_hi, s = _values(b_lo, b_hi, sbits, dec)
     root_lo = _root_read(x_lo, s, dec, row_old[:, None, None] * col_lo)
     root_hi = _root_read(x_hi, s, dec, row_old[:, None, None] * col_hi)
     v_lo = _keep((root_lo * root_lo) * beta2 + (g_lo * w2) * g_lo, m8, EVEN)
     v_hi = _keep((root_hi * root_hi) * beta2 + (g_hi * w2) * g_hi, m8, EVEN)
+    return v_lo, v_hi, root_lo, root_hi
 
-    if PASS == SUMS:
-        _add_sums(sums, rows, col, R, K, v_lo, v_hi, row_ok, col_ok)
+
+@triton.jit
+def _program(work_ptr, meta_ptr, TILING: tl.constexpr):
+    """This program's tensor (its index and table row), the tensor's rows and columns, and the
+    row and column of the program's tile in it (TILING 0: the step tiles, 2: the sums pass's).
+    int32 offsets: the host fuses tensors of < 2**31 elements only; K is a multiple of 16."""
+    pid = tl.program_id(0)
+    t = tl.load(work_ptr + pid)
+    meta = meta_ptr + t * NMETA
+    R = tl.load(meta + _ROWS).to(tl.int32)
+    K = tl.multiple_of(tl.load(meta + _COLS).to(tl.int32), 16)
+    tile = (pid - tl.load(meta + _TILE0 + TILING)).to(tl.int32)
+    col_tiles = tl.load(meta + _COL_TILES + TILING).to(tl.int32)
+    return t, meta, R, K, tile // col_tiles, tile % col_tiles
+
+
+@triton.jit
+def adamw4_sums_kernel(work_ptr, meta_ptr, grad_ptrs, scal_ptr, sums_ptr, EVEN: tl.constexpr,
+                       BM: tl.constexpr, KB: tl.constexpr, ITERS: tl.constexpr):
+    """Pass "sums": the new v of ITERS x BM rows x KB blocks of one tensor, added into its
+    float64 row, column and total sums (state_transforms.rank1_roots). The column sums build up
+    element-wise in registers over the rows and cross threads and go out once per program: per
+    element, one conversion and two float64 adds, and few atomics. Each chunk of rows loads the
+    next one's inputs before its arithmetic, so the loads overlap it."""
+    t, meta, R, K, tr, tc = _program(work_ptr, meta_ptr, 2)
+    kbs = tc * KB + tl.arange(0, KB)
+    sums = sums_ptr + tl.load(meta + _SCRATCH)
+    gp = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+    beta2 = tl.load(scal_ptr + _BETA2)
+    w2 = tl.load(scal_ptr + _W2)
+    dec = tl.load(_field(meta, _VA, tl.float32)) * _DEC
+    rows = tr * ITERS * BM + tl.arange(0, BM)
+    col, eoff, boff, soff = _offsets(rows, kbs, K)
+    if EVEN:  # no masks (Triton functions cannot return None)
+        row_ok, col_ok, bmask, m8, m4 = None, None, None, None, None
     else:
-        headroom = tl.load(scal_ptr + _HEADROOM)
-        w1 = tl.load(scal_ptr + _W1)
-        m_lo, m_hi, _, _ = _decode(meta, _MD, boff, soff, m4, bmask)
-        m_lo = m_lo * root_lo  # stored normalized: m = m_hat * sqrt(v)
-        m_hi = m_hi * root_hi
-        m_lo = m_lo + (g_lo - m_lo) * w1
-        m_hi = m_hi + (g_hi - m_hi) * w1
-        root_lo = tl.sqrt_rn(v_lo)
-        root_hi = tl.sqrt_rn(v_hi)
-        # The stored form of v: its root times the reciprocal roots of its new factors.
-        inv_row = _load(inv + rows, row_ok)[:, None, None]
-        inv_lo, inv_hi = _pair(inv + R, col, col_ok)
-        st_lo = _keep(root_lo * (inv_row * inv_lo), m8, EVEN)
-        st_hi = _keep(root_hi * (inv_row * inv_hi), m8, EVEN)
-        if PASS == CALIBRATE:
-            # The first step's amaxes: of stored v, and of m over the root of v as it is.
-            _max_into(_field(meta, _VN, tl.float32), jit.block_amax(st_lo, st_hi) * headroom)
-            n_lo = _keep(_safe_div(m_lo, root_lo), m8, EVEN)
-            n_hi = _keep(_safe_div(m_hi, root_hi), m8, EVEN)
-            _max_into(_field(meta, _MN, tl.float32), jit.block_amax(n_lo, n_hi) * headroom)
+        row_ok, col_ok, bmask, m8, m4 = _masks(rows, kbs, col, R, K)
+    col_lo, col_hi = _pair(_field(meta, _COL, tl.float32), col, col_ok)
+    # The fields' pointers, loaded once (in the loop they would be reloaded: atomics intervene).
+    vd = _field(meta, _VD, tl.uint8)
+    vs = _field(meta, _VS, tl.uint8)
+    row_root = _field(meta, _ROW, tl.float32)
+    g_lo, g_hi, b_lo, b_hi, sbits, row_old = _v_loads(gp, vd, vs, row_root, rows, eoff, boff,
+                                                      soff, row_ok, bmask, m8, m4)
+    acc_lo = tl.zeros((BM, KB, 8), tl.float64)
+    acc_hi = tl.zeros((BM, KB, 8), tl.float64)
+    for _ in range(ITERS):
+        # The next chunk's loads (past the last row: the last row again, unused).
+        rows_next = tl.minimum(rows + BM, R - 1)
+        _, eoff_n, boff_n, soff_n = _offsets(rows_next, kbs, K)
+        if EVEN:
+            next_ok, bmask_n, m8_n, m4_n = None, None, None, None
         else:
-            pp = _field(meta, _P, tl.float32)
-            p_lo = _load(pp + eoff, m8)
-            p_hi = _load(pp + eoff + 8, m8)
-            if DECAY:
-                decay = tl.load(scal_ptr + _DECAY)
-                p_lo = p_lo * decay
-                p_hi = p_hi * decay
-            inv_bc2 = tl.load(scal_ptr + _INV_BC2)
-            eps = tl.load(scal_ptr + _EPS)
-            neg_step = tl.load(scal_ptr + _NEG_STEP)
-            d_lo = root_lo * inv_bc2 + eps
-            d_hi = root_hi * inv_bc2 + eps
-            tl.store(pp + eoff, p_lo + tl.math.div_rn(m_lo * neg_step, d_lo), mask=m8)
-            tl.store(pp + eoff + 8, p_hi + tl.math.div_rn(m_hi * neg_step, d_hi), mask=m8)
+            next_ok, _, bmask_n, m8_n, m4_n = _masks(rows_next, kbs, col, R, K)
+        loads = _v_loads(gp, vd, vs, row_root, rows_next, eoff_n, boff_n, soff_n, next_ok,
+                         bmask_n, m8_n, m4_n)
+        v_lo, v_hi, _, _ = _v_from(g_lo, g_hi, b_lo, b_hi, sbits, row_old, col_lo, col_hi, dec,
+                                   beta2, w2, m8, EVEN)
+        v64_lo = v_lo.to(tl.float64)
+        v64_hi = v_hi.to(tl.float64)
+        tl.atomic_add(sums + rows, tl.sum(tl.sum(v64_lo, 2), 1) + tl.sum(tl.sum(v64_hi, 2), 1),
+                      mask=row_ok, sem="relaxed")
+        acc_lo += v64_lo
+        acc_hi += v64_hi
+        g_lo, g_hi, b_lo, b_hi, sbits, row_old = loads
+        rows = rows + BM
+        if not EVEN:
+            row_ok, _, bmask, m8, m4 = _masks(rows, kbs, col, R, K)
+    csum_lo = tl.sum(acc_lo, 0)[None, :, :]
+    csum_hi = tl.sum(acc_hi, 0)[None, :, :]
+    tl.atomic_add(sums + R + col, csum_lo, mask=col_ok, sem="relaxed")
+    tl.atomic_add(sums + R + col + 8, csum_hi, mask=col_ok, sem="relaxed")
+    tl.atomic_add(sums + R + K, tl.sum(tl.sum(tl.sum(csum_lo + csum_hi, 2), 1), 0),
+                  sem="relaxed")
 
-            index = (tl.load(meta + _INDEX) & 0xFFFFFFFF).to(tl.uint32)
-            seed_hash = tl.load(iscal_ptr + _SEED)
-            step32 = tl.load(iscal_ptr + _STEP).to(tl.uint32)
-            amax_v = tl.load(_field(meta, _VN, tl.float32))
-            amax_m = tl.load(_field(meta, _MN, tl.float32))
-            k1, k2 = _keys(seed_hash, index, step32, 1)
-            vc_lo, vc_hi, vsbits, vmax = _quantize(st_lo, st_hi, amax_v, eoff, k1, k2)
-            # m over the root of the v the next step reads back, so m round-trips exactly.
-            roots = roots_ptr + scratch
-            row_new = _load(roots + rows, row_ok)[:, None, None]
-            cn_lo, cn_hi = _pair(roots + R, col, col_ok)
-            dec_v = amax_v * _DEC
-            s_v = jit.e4m3_value(vsbits)[:, :, None]
-            x_lo = (jit.e2m1_value(vc_lo) * s_v) * dec_v
-            x_hi = (jit.e2m1_value(vc_hi) * s_v) * dec_v
-            n_lo = _keep(_safe_div(m_lo, _root_read(x_lo, s_v, dec_v, row_new * cn_lo)), m8,
-                         EVEN)
-            n_hi = _keep(_safe_div(m_hi, _root_read(x_hi, s_v, dec_v, row_new * cn_hi)), m8,
-                         EVEN)
-            k1, k2 = _keys(seed_hash, index, step32, 0)
-            mc_lo, mc_hi, msbits, mmax = _quantize(n_lo, n_hi, amax_m, eoff, k1, k2)
-            # The maxima the next step's amaxes come from (the factors launch rolls them).
-            pending = pending_ptr + tl.load(meta + _PENDING)
-            _max_into(pending, mmax)
-            _max_into(pending + 1, vmax)
-            # The new m and v replace the old ones in place: this tile's codes and block scales
-            # are read by this program only, and past the barrier every thread of it has read
-            # them.
-            tl.debug_barrier()
-            _store_codes(_field(meta, _VD, tl.uint8), _field(meta, _VS, tl.uint8),
-                         boff, soff, m4, bmask, vc_lo, vc_hi, vsbits)
-            _store_codes(_field(meta, _MD, tl.uint8), _field(meta, _MS, tl.uint8),
-                         boff, soff, m4, bmask, mc_lo, mc_hi, msbits)
+
+@triton.jit
+def adamw4_kernel(
+    work_ptr, meta_ptr, grad_ptrs, scal_ptr, iscal_ptr, roots_ptr, inv_ptr, pending_ptr,
+    PASS: tl.constexpr, DECAY: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+    KB: tl.constexpr,
+):
+    """Pass CALIBRATE or STEP (see the module docstring) over one tile of one tensor.
+    scal_ptr / iscal_ptr: the step's float32 / int32 scalars (one buffer); roots_ptr, inv_ptr:
+    float32 roots of the new v's rank-1 factors and their reciprocals, rows then columns, at the
+    tensor's scratch offset; pending_ptr: the new amaxes of the stored m and v per tensor. EVEN:
+    every tile is full (no masks)."""
+    t, meta, R, K, tr, tc = _program(work_ptr, meta_ptr, 0)
+    rows = tr * BM + tl.arange(0, BM)
+    kbs = tc * KB + tl.arange(0, KB)
+    col, eoff, boff, soff = _offsets(rows, kbs, K)
+    if EVEN:  # no masks (Triton functions cannot return None)
+        row_ok, col_ok, bmask, m8, m4 = None, None, None, None, None
+    else:
+        row_ok, col_ok, bmask, m8, m4 = _masks(rows, kbs, col, R, K)
+    scratch = tl.load(meta + _SCRATCH)
+    inv = inv_ptr + scratch
+
+    # The new v, from the gradient and the old states.
+    gp = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+    g_lo, g_hi, b_lo, b_hi, sbits, row_old = _v_loads(
+        gp, _field(meta, _VD, tl.uint8), _field(meta, _VS, tl.uint8),
+        _field(meta, _ROW, tl.float32), rows, eoff, boff, soff, row_ok, bmask, m8, m4)
+    col_lo, col_hi = _pair(_field(meta, _COL, tl.float32), col, col_ok)
+    dec = tl.load(_field(meta, _VA, tl.float32)) * _DEC
+    v_lo, v_hi, root_lo, root_hi = _v_from(
+        g_lo, g_hi, b_lo, b_hi, sbits, row_old, col_lo, col_hi, dec,
+        tl.load(scal_ptr + _BETA2), tl.load(scal_ptr + _W2), m8, EVEN)
+    headroom = tl.load(scal_ptr + _HEADROOM)
+    w1 = tl.load(scal_ptr + _W1)
+    m_lo, m_hi, _, _ = _decode(meta, _MD, boff, soff, m4, bmask)
+    m_lo = m_lo * root_lo  # stored normalized: m = m_hat * sqrt(v)
+    m_hi = m_hi * root_hi
+    m_lo = m_lo + (g_lo - m_lo) * w1
+    m_hi = m_hi + (g_hi - m_hi) * w1
+    root_lo = tl.sqrt_rn(v_lo)
+    root_hi = tl.sqrt_rn(v_hi)
+    # The stored form of v: its root times the reciprocal roots of its new factors.
+    inv_row = _load(inv + rows, row_ok)[:, None, None]
+    inv_lo, inv_hi = _pair(inv + R, col, col_ok)
+    st_lo = _keep(root_lo * (inv_row * inv_lo), m8, EVEN)
+    st_hi = _keep(root_hi * (inv_row * inv_hi), m8, EVEN)
+    if PASS == CALIBRATE:
+        # The first step's amaxes: of stored v, and of m over the root of v as it is.
+        _max_into(_field(meta, _VN, tl.float32), jit.block_amax(st_lo, st_hi) * headroom)
+        n_lo = _keep(_safe_div(m_lo, root_lo), m8, EVEN)
+        n_hi = _keep(_safe_div(m_hi, root_hi), m8, EVEN)
+        _max_into(_field(meta, _MN, tl.float32), jit.block_amax(n_lo, n_hi) * headroom)
+    else:
+        pp = _field(meta, _P, tl.float32)
+        p_lo = _load(pp + eoff, m8)
+        p_hi = _load(pp + eoff + 8, m8)
+        if DECAY:
+            decay = tl.load(scal_ptr + _DECAY)
+            p_lo = p_lo * decay
+            p_hi = p_hi * decay
+        inv_bc2 = tl.load(scal_ptr + _INV_BC2)
+        eps = tl.load(scal_ptr + _EPS)
+        neg_step = tl.load(scal_ptr + _NEG_STEP)
+        d_lo = root_lo * inv_bc2 + eps
+        d_hi = root_hi * inv_bc2 + eps
+        tl.store(pp + eoff, p_lo + tl.math.div_rn(m_lo * neg_step, d_lo), mask=m8)
+        tl.store(pp + eoff + 8, p_hi + tl.math.div_rn(m_hi * neg_step, d_hi), mask=m8)
+
+        index = (tl.load(meta + _INDEX) & 0xFFFFFFFF).to(tl.uint32)
+        seed_hash = tl.load(iscal_ptr + _SEED)
+        step32 = tl.load(iscal_ptr + _STEP).to(tl.uint32)
+        amax_v = tl.load(_field(meta, _VN, tl.float32))
+        amax_m = tl.load(_field(meta, _MN, tl.float32))
+        k1, k2 = _keys(seed_hash, index, step32, 1)
+        vc_lo, vc_hi, vsbits, vmax = _quantize(st_lo, st_hi, amax_v, eoff, k1, k2)
+        # m over the root of the v the next step reads back, so m round-trips exactly.
+        roots = roots_ptr + scratch
+        row_new = _load(roots + rows, row_ok)[:, None, None]
+        cn_lo, cn_hi = _pair(roots + R, col, col_ok)
+        dec_v = amax_v * _DEC
+        s_v = jit.e4m3_value(vsbits)[:, :, None]
+        x_lo = (jit.e2m1_value(vc_lo) * s_v) * dec_v
+        x_hi = (jit.e2m1_value(vc_hi) * s_v) * dec_v
+        n_lo = _keep(_safe_div(m_lo, _root_read(x_lo, s_v, dec_v, row_new * cn_lo)), m8,
+                     EVEN)
+        n_hi = _keep(_safe_div(m_hi, _root_read(x_hi, s_v, dec_v, row_new * cn_hi)), m8,
+                     EVEN)
+        k1, k2 = _keys(seed_hash, index, step32, 0)
+        mc_lo, mc_hi, msbits, mmax = _quantize(n_lo, n_hi, amax_m, eoff, k1, k2)
+        # The maxima the next step's amaxes come from (the factors launch rolls them).
+        pending = pending_ptr + tl.load(meta + _PENDING)
+        _max_into(pending, mmax)
+        _max_into(pending + 1, vmax)
+        # The new m and v replace the old ones in place: this tile's codes and block scales
+        # are read by this program only, and past the barrier every thread of it has read
+        # them.
+        tl.debug_barrier()
+        _store_codes(_field(meta, _VD, tl.uint8), _field(meta, _VS, tl.uint8),
+                     boff, soff, m4, bmask, vc_lo, vc_hi, vsbits)
+        _store_codes(_field(meta, _MD, tl.uint8), _field(meta, _MS, tl.uint8),
+                     boff, soff, m4, bmask, mc_lo, mc_hi, msbits)
 
 
 @triton.jit

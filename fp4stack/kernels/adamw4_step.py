@@ -9,6 +9,7 @@ kernels/adamw4.py (`kern`) at each plan's creation, so a sweep can change them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import struct
 
 import torch
@@ -19,6 +20,9 @@ from ..formats.random import lowbias32_int
 from ..formats.tensor import BLOCK
 from . import adamw4 as kern
 from .nvfp4 import _launch_options
+
+# Pinned host buffers of the per-step scalars, used in turn (StepPlan.set_scalars).
+SCALAR_SLOTS = 64
 
 
 def step_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float,
@@ -39,6 +43,10 @@ class StepPlan:
     def __init__(self, params: list[Tensor], states: list[dict], indices: list[int]) -> None:
         device = params[0].device
         self.tilings = _tilings()
+        self.step_tiling, self.sums_tiling = self.tilings
+        # (rows, blocks) of a program's tile: of the step passes, of the sums pass.
+        tiles = [self.step_tiling[:2], (self.sums_tiling[0] * self.sums_tiling[2],
+                                        self.sums_tiling[1])]
         counts: list[list[int]] = [[], [], []]  # step tiles, sums tiles, lines per tensor
         starts = [0, 0, 0]
         table = []
@@ -53,11 +61,10 @@ class StepPlan:
                     or not all(t.is_contiguous() for t in tensors)):
                 raise ValueError("the fused AdamW4 step needs contiguous 16-byte aligned tensors "
                                  "of fewer than 2**31 elements")
-            col_tiles = [triton.cdiv(k // BLOCK, kb) for _, kb in self.tilings]
-            n = [triton.cdiv(r, bm) * c for (bm, _), c in zip(self.tilings, col_tiles,
-                                                               strict=True)]
+            col_tiles = [triton.cdiv(k // BLOCK, kb) for _, kb in tiles]
+            n = [triton.cdiv(r, bm) * c for (bm, _), c in zip(tiles, col_tiles, strict=True)]
             n.append(triton.cdiv(r + k, kern.LINE))
-            for e, (bm, kb) in enumerate(self.tilings):
+            for e, (bm, kb) in enumerate(tiles):
                 even[e] &= r % bm == 0 and (k // BLOCK) % kb == 0
             table.append([*ptrs, r, k, scratch, index, starts[2],
                           starts[0], col_tiles[0], starts[1], col_tiles[1], 2 * i])
@@ -75,6 +82,11 @@ class StepPlan:
         self.inv = torch.zeros(scratch, dtype=torch.float32, device=device)
         self.pending = torch.zeros(2 * len(params), dtype=torch.float32, device=device)
         self.scalars = torch.zeros(kern.NSCALARS, dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            self.scalar_host = torch.zeros(SCALAR_SLOTS, kern.NSCALARS,
+                                           dtype=torch.float32).pin_memory()
+            self.scalar_done = [torch.cuda.Event() for _ in range(SCALAR_SLOTS)]
+        self.next_slot = 0
         self.keep = [params, [dict(s) for s in states]]
         self.grad_key: list[int] = []
         self.grad_ptrs: Tensor | None = None
@@ -94,7 +106,20 @@ class StepPlan:
                 self._upload(self.grad_ptrs, host)
 
     def set_scalars(self, packed: bytes) -> None:
-        self._upload(self.scalars, torch.frombuffer(bytearray(packed), dtype=torch.float32))
+        if self.device.type != "cuda":
+            self.scalars.copy_(torch.frombuffer(bytearray(packed), dtype=torch.float32))
+            return
+        # From a ring of pinned buffers allocated once (a fresh pinned tensor per step costs
+        # more than the rest of the upload). A slot is rewritten only after the copy that read
+        # it last has run (its event): the host waits only when it runs SCALAR_SLOTS steps
+        # ahead of the GPU.
+        i = self.next_slot
+        self.next_slot = (i + 1) % SCALAR_SLOTS
+        host, done = self.scalar_host[i], self.scalar_done[i]
+        done.synchronize()
+        ctypes.memmove(host.data_ptr(), packed, len(packed))
+        self.scalars.copy_(host, non_blocking=True)
+        done.record()
 
     def _upload(self, dst: Tensor, host: Tensor) -> None:
         if self.device.type == "cuda":
@@ -104,19 +129,18 @@ class StepPlan:
         else:
             dst.copy_(host)
 
-    def _args(self, work: Tensor) -> tuple:
-        return (work, self.meta, self.grad_ptrs, self.scalars, self.scalars.view(torch.int32),
-                self.sums, self.roots, self.inv, self.pending)
+    def _launch_sums(self) -> None:
+        bm, kb, iters, warps = self.sums_tiling
+        kern.adamw4_sums_kernel[(self.sums_work.numel(),)](
+            self.sums_work, self.meta, self.grad_ptrs, self.scalars, self.sums,
+            EVEN=self.even_sums, BM=bm, KB=kb, ITERS=iters, num_warps=warps, **_launch_options())
 
     def _launch(self, pass_: int, decay: bool = False) -> None:
-        sums = pass_ == kern.SUMS.value
-        work = self.sums_work if sums else self.work
-        (bm, kb), warps = ((self.tilings[1], kern.SUMS_WARPS) if sums
-                           else (self.tilings[0], kern.NUM_WARPS))
-        kern.adamw4_kernel[(work.numel(),)](
-            *self._args(work), PASS=pass_, DECAY=decay,
-            EVEN=self.even_sums if sums else self.even, BM=bm, KB=kb, num_warps=warps,
-            **_launch_options())
+        bm, kb, warps = self.step_tiling
+        kern.adamw4_kernel[(self.work.numel(),)](
+            self.work, self.meta, self.grad_ptrs, self.scalars, self.scalars.view(torch.int32),
+            self.roots, self.inv, self.pending, PASS=pass_, DECAY=decay, EVEN=self.even, BM=bm,
+            KB=kb, num_warps=warps, **_launch_options())
 
     def _launch_factors(self, mode: int) -> None:
         kern.adamw4_factors_kernel[(self.line_work.numel(),)](
@@ -127,7 +151,7 @@ class StepPlan:
         """The launches of one step: the sums of v (zeroed first), its factors, [the first
         step's amaxes], the step pass, the roll of factors and amaxes into the state."""
         self.sums.zero_()
-        self._launch(kern.SUMS.value)
+        self._launch_sums()
         self._launch_factors(kern.FACTORS_FIRST.value if first else kern.FACTORS.value)
         if first:
             self._launch(kern.CALIBRATE.value)
@@ -157,9 +181,11 @@ class StepPlan:
         self.warm.add(decay)
 
 
-def _tilings() -> tuple[tuple[int, int], tuple[int, int]]:
-    """(rows, blocks) of a tile of the step passes and of the sums pass, as now set."""
-    return (kern.BM, kern.KB), (kern.SUMS_BM, kern.SUMS_KB)
+def _tilings() -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
+    """(rows, blocks, warps) of a tile of the step passes, and (rows, blocks, iterations,
+    warps) of the sums pass's, as now set."""
+    return ((kern.BM, kern.KB, kern.NUM_WARPS),
+            (kern.SUMS_BM, kern.SUMS_KB, kern.SUMS_ITERS, kern.SUMS_WARPS))
 
 
 def _work_list(counts: list[int], device: torch.device) -> Tensor:
@@ -201,13 +227,13 @@ def fused_step(
         if len(cache) >= 8:  # stale plans (another grad pattern, a reload): drop them all
             cache.clear()
         plan = cache[key] = StepPlan(params, states, indices)
-    plan.set_grads(grads)
-    plan.set_scalars(step_scalars(step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay, headroom=headroom, seed=seed))
     decay = weight_decay != 0
     cuda = plan.device.type == "cuda"
-    # Launches and captures go to the current device's stream: make it the tensors' device.
+    # Copies, launches and captures go to the current device's stream: make it the tensors'.
     with torch.cuda.device(plan.device) if cuda else contextlib.nullcontext():
+        plan.set_grads(grads)
+        plan.set_scalars(step_scalars(step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                      weight_decay=weight_decay, headroom=headroom, seed=seed))
         # A first step has no previous amaxes: it takes its own (kernels/adamw4.py).
         plan.run(decay, graphs and cuda, first=step == 1)
 

@@ -99,13 +99,13 @@ def e2m1_rne_value(y):
 
 @triton.jit
 def e2m1_value(code):
-    """float32 value of an E2M1 code (int32), built from its bits: magnitude codes 2..7 are
-    2**(e - 1) x (1 + m / 2) with e, m = code >> 1, code & 1, whose float32 bits are
-    (code << 22) + bits(0.5); codes 0 and 1 are 0 and 0.5 = 1 x bits(0.5). The sign goes in by
-    bits too (`-v` may compile to 0 - v, which loses the sign of -0.0)."""
-    mag = code & 7
-    v = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
-    return (v | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    """float32 value of an E2M1 code (int32), built from its bits: the magnitude bits (e, m)
+    placed at the top of a float32's exponent and mantissa fields make the float32 whose value
+    is the E2M1 value times 2**-126 (e = 0 lands in the subnormals, as 0 and 0.5 need), and the
+    product with 2**126 is exact. The sign goes in by bits too (`-v` may compile to 0 - v,
+    which loses the sign of -0.0). Kernels run without flush-to-zero, so subnormals survive."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
 
 
 @triton.jit

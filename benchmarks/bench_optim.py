@@ -88,38 +88,46 @@ def fused_matches_reference(params: list[torch.nn.Parameter], steps: int = 2) ->
 def compile_check() -> list[str]:
     """Compile the fused AdamW4 step's passes for sm_90 without a GPU (the step pass with and
     without weight decay, with and without masks); report ptxas's registers and spills and the
-    static SASS instruction count per element where it can (the sums pass's loop body counts
-    once per iteration: its count is divided by the elements of one iteration)."""
+    SASS instructions per element as they run, where it can: the passes' loop bodies once per
+    tile, the rest once per program."""
     from fp4stack.kernels.hopper import compile_sm90
 
     lines = []
     types = dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64", scal_ptr="*fp32",
                  iscal_ptr="*i32", roots_ptr="*fp32", inv_ptr="*fp32", pending_ptr="*fp32")
 
-    def report(name: str, build, elements_per_thread: int) -> None:
+    def report(name: str, build, elements_per_thread: int, iters: int) -> None:
+        # A loop's body runs `iters` times, the rest once: instructions per element as run.
         per = ""
         if build.sass_instructions is not None:
-            per = f" (~{build.sass_instructions / elements_per_thread:.0f} per element)"
+            body = build.loop_sass_instructions or 0
+            once = build.sass_instructions - body
+            per = (f" (~{(body + once / iters) / elements_per_thread:.0f} per element: "
+                   f"{body / elements_per_thread:.0f} in the loop, {once} once)")
         lines.append(f"adamw4 {name}: {build.describe()}{per}")
         print(lines[-1])
 
     for even in (True, False):
-        consts = dict(EVEN=even, BM=kernels.SUMS_BM, KB=kernels.SUMS_KB, ITERS=1)
+        consts = dict(EVEN=even, BM=kernels.SUMS_BM, KB=kernels.SUMS_KB,
+                      ITERS=kernels.SUMS_ITERS)
         build = compile_sm90(kernels.adamw4_sums_kernel,
                              dict(work_ptr="*i32", meta_ptr="*i64", grad_ptrs="*i64",
                                   scal_ptr="*fp32", sums_ptr="*fp64"),
-                             consts, num_warps=kernels.SUMS_WARPS, default="fp32")
-        report(f"pass sums (one iteration) full tiles={even}", build,
-               kernels.SUMS_BM * kernels.SUMS_KB * 16 // (32 * kernels.SUMS_WARPS))
+                             consts, num_warps=kernels.SUMS_WARPS,
+                             maxnreg=kernels.SUMS_MAXNREG, default="fp32")
+        report(f"pass sums full tiles={even}", build,
+               kernels.SUMS_BM * kernels.SUMS_KB * 16 // (32 * kernels.SUMS_WARPS),
+               kernels.SUMS_ITERS)
     variants = [(kernels.CALIBRATE.value, "calibrate", False, True),
                 *((kernels.STEP.value, "step", decay, even)
                   for decay in (True, False) for even in (True, False))]
     for pass_, name, decay, even in variants:
-        consts = dict(PASS=pass_, DECAY=decay, EVEN=even, BM=kernels.BM, KB=kernels.KB)
+        consts = dict(PASS=pass_, DECAY=decay, EVEN=even, BM=kernels.BM, KB=kernels.KB,
+                      ITERS=kernels.STEP_ITERS)
         build = compile_sm90(kernels.adamw4_kernel, types, consts, num_warps=kernels.NUM_WARPS,
-                             default="fp32")
+                             maxnreg=kernels.STEP_MAXNREG, default="fp32")
         report(f"pass {name} decay={decay} full tiles={even}", build,
-               kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS))
+               kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS), kernels.STEP_ITERS)
     for mode, name in ((kernels.FACTORS.value, "factors"), (kernels.ROLL.value, "roll")):
         build = compile_sm90(kernels.adamw4_factors_kernel,
                              dict(work_ptr="*i32", meta_ptr="*i64", scal_ptr="*fp32",
@@ -180,12 +188,14 @@ def breakdown(params: list[torch.nn.Parameter], device: torch.device, reps: int)
         print(f"| {name} | {launches} | {ms:.3f} |")
 
 
-# (BM, KB, warps) of the step pass, then (BM, KB, iterations, warps) of the sums pass, timed
-# by --sweep.
-SWEEP = (((8, 8, 4), (8, 8, 8, 4)), ((16, 8, 8), (8, 8, 8, 4)), ((8, 16, 8), (8, 8, 8, 4)),
-         ((8, 8, 4), (8, 8, 4, 4)), ((8, 8, 4), (8, 8, 16, 4)), ((8, 8, 4), (16, 8, 8, 4)),
-         ((8, 8, 4), (8, 16, 8, 4)), ((8, 8, 4), (8, 8, 8, 2)), ((8, 8, 4), (32, 8, 4, 8)))
-_TILE_NAMES = ("BM", "KB", "NUM_WARPS", "SUMS_BM", "SUMS_KB", "SUMS_ITERS", "SUMS_WARPS")
+# (BM, KB, iterations, warps, register cap) of the step pass, then of the sums pass, timed by
+# --sweep (the first row: the defaults).
+SWEEP = (((8, 2, 8, 1, 96), (2, 8, 32, 1, 64)), ((8, 4, 8, 2, 96), (2, 8, 32, 1, 64)),
+         ((8, 8, 8, 4, 96), (2, 8, 32, 1, 64)), ((8, 8, 4, 4, 0), (2, 8, 32, 1, 64)),
+         ((8, 8, 1, 4, 0), (2, 8, 32, 1, 0)), ((8, 2, 8, 1, 88), (2, 8, 32, 1, 64)),
+         ((8, 2, 8, 1, 96), (4, 8, 16, 1, 128)), ((8, 2, 8, 1, 96), (2, 8, 32, 1, 0)))
+_TILE_NAMES = ("BM", "KB", "STEP_ITERS", "NUM_WARPS", "STEP_MAXNREG",
+               "SUMS_BM", "SUMS_KB", "SUMS_ITERS", "SUMS_WARPS", "SUMS_MAXNREG")
 
 
 def sweep(params: list[torch.nn.Parameter], device: torch.device, reps: int) -> None:
@@ -193,7 +203,7 @@ def sweep(params: list[torch.nn.Parameter], device: torch.device, reps: int) -> 
     from fp4stack.kernels.profiling import kernel_times
 
     defaults = [getattr(kernels, n) for n in _TILE_NAMES]
-    print("| step tile (BM, KB, warps) | sums tile (BM, KB, iterations, warps) | step ms | "
+    print("| step pass (BM, KB, iterations, warps, registers) | sums pass (the same) | step ms | "
           "GPU ms |\n|---|---|---:|---:|")
     for step_tile, sums_tile in SWEEP:
         for n, v in zip(_TILE_NAMES, (*step_tile, *sums_tile), strict=True):

@@ -202,6 +202,7 @@ def wide_tiles(monkeypatch):
         return
     monkeypatch.setattr(fused_kernels, "BM", 32)
     monkeypatch.setattr(fused_kernels, "KB", 16)
+    monkeypatch.setattr(fused_kernels, "STEP_ITERS", 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

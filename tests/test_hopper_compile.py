@@ -37,11 +37,14 @@ def test_attention_kernels_compile_for_sm90_with_tensor_core_dots():
     assert dots and all("wgmma=True" in line for line in dots), dots
 
 
-def test_fused_adamw4_step_compiles_for_sm90_without_spills():
+def test_fused_adamw4_step_compiles_for_sm90_with_at_most_a_few_spills():
     lines = compile_check("bench_optim.py")
     assert len(lines) == 9, lines
-    spilled = [line for line in lines if "bytes spilled" in line and " 0 bytes spilled" not in line]
-    assert not spilled, spilled
+    # The register caps (STEP_MAXNREG, SUMS_MAXNREG) trade a few spilled words, read back from
+    # L1, for more warps per SM (faster on the H200); more than that would be a cliff.
+    spilled = [int(line.split(" bytes spilled")[0].rsplit(" ", 1)[1]) for line in lines
+               if "bytes spilled" in line]
+    assert len(spilled) == 9 and max(spilled) <= 64, lines
     # The static SASS count per element (where the wheel has cuobjdump; the passes' tiles
     # differ in size): the sums pass only decodes v and updates it, the calibration pass adds
     # m but neither the update nor the quantizers, so each is shorter than the step pass; full
@@ -51,8 +54,8 @@ def test_fused_adamw4_step_compiles_for_sm90_without_spills():
     if sass:
         assert len(sass) == 7 and all(20 < n < 1000 for n in sass.values()), sass
         step = sass["adamw4 pass step decay=False full tiles=True"]
-        sums = sass["adamw4 pass sums (one iteration) full tiles=True"]
+        sums = sass["adamw4 pass sums full tiles=True"]
         assert sums < sass["adamw4 pass calibrate decay=False full tiles=True"] < step
-        assert sums < sass["adamw4 pass sums (one iteration) full tiles=False"]
+        assert sums < sass["adamw4 pass sums full tiles=False"]
         assert step <= sass["adamw4 pass step decay=True full tiles=True"]
         assert step < sass["adamw4 pass step decay=False full tiles=False"]

@@ -57,17 +57,22 @@ import triton.language as tl
 
 from . import nvfp4_jit as jit
 
-# Tile of one program of the step and calibrate passes: BM rows x KB blocks of 16 (1024
-# elements), and its warps. The sums pass loops over SUMS_ITERS chunks of SUMS_BM rows x SUMS_KB
-# blocks (its column sums accumulate in registers, so more rows per program mean fewer
-# atomics). Timed on the H200 (docs/PERFORMANCE.md).
+# A program of the step and calibrate passes walks STEP_ITERS tiles of BM rows x KB blocks of 16
+# down a strip of columns (what the tiles share is read once), with NUM_WARPS warps. The sums
+# pass walks SUMS_ITERS chunks of SUMS_BM rows x SUMS_KB blocks (its column sums accumulate in
+# registers, so more rows per program mean fewer atomics). Register caps (ptxas's maxnreg; 0:
+# none): fewer registers a thread, more warps on an SM to overlap the loads with. Timed on the
+# H200 (docs/PERFORMANCE.md).
 BM = 8
-KB = 8
-NUM_WARPS = 4
+KB = 2
+STEP_ITERS = 8
+NUM_WARPS = 1
+STEP_MAXNREG = 96
 SUMS_BM = 2
 SUMS_KB = 8
 SUMS_ITERS = 32
 SUMS_WARPS = 1
+SUMS_MAXNREG = 64
 # Rows and columns per program of the factors launch.
 LINE = 1024
 
@@ -355,103 +360,125 @@ def adamw4_sums_kernel(work_ptr, meta_ptr, grad_ptrs, scal_ptr, sums_ptr, EVEN: 
 def adamw4_kernel(
     work_ptr, meta_ptr, grad_ptrs, scal_ptr, iscal_ptr, roots_ptr, inv_ptr, pending_ptr,
     PASS: tl.constexpr, DECAY: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-    KB: tl.constexpr,
+    KB: tl.constexpr, ITERS: tl.constexpr,
 ):
-    """Pass CALIBRATE or STEP (see the module docstring) over one tile of one tensor.
-    scal_ptr / iscal_ptr: the step's float32 / int32 scalars (one buffer); roots_ptr, inv_ptr:
-    float32 roots of the new v's rank-1 factors and their reciprocals, rows then columns, at the
-    tensor's scratch offset; pending_ptr: the new amaxes of the stored m and v per tensor. EVEN:
-    every tile is full (no masks)."""
+    """Pass CALIBRATE or STEP (see the module docstring) over ITERS tiles of BM rows x KB
+    blocks of one tensor, one under the other: what the tiles share (the column roots, the
+    scalars, the rounding keys, the table) is read once. scal_ptr / iscal_ptr: the step's
+    float32 / int32 scalars (one buffer); roots_ptr, inv_ptr: float32 roots of the new v's
+    rank-1 factors and their reciprocals, rows then columns, at the tensor's scratch offset;
+    pending_ptr: the new amaxes of the stored m and v per tensor. EVEN: every tile is full (no
+    masks)."""
     t, meta, R, K, tr, tc = _program(work_ptr, meta_ptr, 0)
-    rows = tr * BM + tl.arange(0, BM)
+    rows = tr * (ITERS * BM) + tl.arange(0, BM)
     kbs = tc * KB + tl.arange(0, KB)
     col, eoff, boff, soff = _offsets(rows, kbs, K)
-    if EVEN:  # no masks (Triton functions cannot return None)
-        row_ok, col_ok, bmask, m8, m4 = None, None, None, None, None
-    else:
-        row_ok, col_ok, bmask, m8, m4 = _masks(rows, kbs, col, R, K)
+    col_ok = None if EVEN else col < K
     scratch = tl.load(meta + _SCRATCH)
     inv = inv_ptr + scratch
-
-    # The new v, from the gradient and the old states.
+    roots = roots_ptr + scratch
+    # What every tile of the program reads: pointers, scalars, column roots, decode scales.
     gp = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
-    g_lo, g_hi, b_lo, b_hi, sbits, row_old = _v_loads(
-        gp, _field(meta, _VD, tl.uint8), _field(meta, _VS, tl.uint8),
-        _field(meta, _ROW, tl.float32), rows, eoff, boff, soff, row_ok, bmask, m8, m4)
+    pp = _field(meta, _P, tl.float32)
+    vd = _field(meta, _VD, tl.uint8)
+    vs = _field(meta, _VS, tl.uint8)
+    md = _field(meta, _MD, tl.uint8)
+    ms = _field(meta, _MS, tl.uint8)
+    row_root = _field(meta, _ROW, tl.float32)
     col_lo, col_hi = _pair(_field(meta, _COL, tl.float32), col, col_ok)
+    inv_lo, inv_hi = _pair(inv + R, col, col_ok)
     dec = tl.load(_field(meta, _VA, tl.float32)) * _DEC
-    v_lo, v_hi, root_lo, root_hi = _v_from(
-        g_lo, g_hi, b_lo, b_hi, sbits, row_old, col_lo, col_hi, dec,
-        tl.load(scal_ptr + _BETA2), tl.load(scal_ptr + _W2), m8, EVEN)
+    dec_m = tl.load(_field(meta, _MA, tl.float32)) * _DEC
+    beta2 = tl.load(scal_ptr + _BETA2)
+    w2 = tl.load(scal_ptr + _W2)
     headroom = tl.load(scal_ptr + _HEADROOM)
     w1 = tl.load(scal_ptr + _W1)
-    m_lo, m_hi, _, _ = _decode(meta, _MD, boff, soff, m4, bmask)
-    m_lo = m_lo * root_lo  # stored normalized: m = m_hat * sqrt(v)
-    m_hi = m_hi * root_hi
-    m_lo = m_lo + (g_lo - m_lo) * w1
-    m_hi = m_hi + (g_hi - m_hi) * w1
-    root_lo = tl.sqrt_rn(v_lo)
-    root_hi = tl.sqrt_rn(v_hi)
-    # The stored form of v: its root times the reciprocal roots of its new factors.
-    inv_row = _load(inv + rows, row_ok)[:, None, None]
-    inv_lo, inv_hi = _pair(inv + R, col, col_ok)
-    st_lo = _keep(root_lo * (inv_row * inv_lo), m8, EVEN)
-    st_hi = _keep(root_hi * (inv_row * inv_hi), m8, EVEN)
-    if PASS == CALIBRATE:
-        # The first step's amaxes: of stored v, and of m over the root of v as it is.
-        _max_into(_field(meta, _VN, tl.float32), jit.block_amax(st_lo, st_hi) * headroom)
-        n_lo = _keep(_safe_div(m_lo, root_lo), m8, EVEN)
-        n_hi = _keep(_safe_div(m_hi, root_hi), m8, EVEN)
-        _max_into(_field(meta, _MN, tl.float32), jit.block_amax(n_lo, n_hi) * headroom)
-    else:
-        pp = _field(meta, _P, tl.float32)
-        p_lo = _load(pp + eoff, m8)
-        p_hi = _load(pp + eoff + 8, m8)
-        if DECAY:
-            decay = tl.load(scal_ptr + _DECAY)
-            p_lo = p_lo * decay
-            p_hi = p_hi * decay
+    if PASS == STEP:
+        cn_lo, cn_hi = _pair(roots + R, col, col_ok)
+        decay = tl.load(scal_ptr + _DECAY)
         inv_bc2 = tl.load(scal_ptr + _INV_BC2)
         eps = tl.load(scal_ptr + _EPS)
         neg_step = tl.load(scal_ptr + _NEG_STEP)
-        d_lo = root_lo * inv_bc2 + eps
-        d_hi = root_hi * inv_bc2 + eps
-        tl.store(pp + eoff, p_lo + tl.math.div_rn(m_lo * neg_step, d_lo), mask=m8)
-        tl.store(pp + eoff + 8, p_hi + tl.math.div_rn(m_hi * neg_step, d_hi), mask=m8)
-
         index = (tl.load(meta + _INDEX) & 0xFFFFFFFF).to(tl.uint32)
         seed_hash = tl.load(iscal_ptr + _SEED)
         step32 = tl.load(iscal_ptr + _STEP).to(tl.uint32)
         amax_v = tl.load(_field(meta, _VN, tl.float32))
         amax_m = tl.load(_field(meta, _MN, tl.float32))
-        k1, k2 = _keys(seed_hash, index, step32, 1)
-        vc_lo, vc_hi, vsbits, vmax = _quantize(st_lo, st_hi, amax_v, eoff, k1, k2)
-        # m over the root of the v the next step reads back, so m round-trips exactly.
-        roots = roots_ptr + scratch
-        row_new = _load(roots + rows, row_ok)[:, None, None]
-        cn_lo, cn_hi = _pair(roots + R, col, col_ok)
         dec_v = amax_v * _DEC
-        s_v = jit.e4m3_value(vsbits)[:, :, None]
-        x_lo = (jit.e2m1_value(vc_lo) * s_v) * dec_v
-        x_hi = (jit.e2m1_value(vc_hi) * s_v) * dec_v
-        n_lo = _keep(_safe_div(m_lo, _root_read(x_lo, s_v, dec_v, row_new * cn_lo)), m8,
-                     EVEN)
-        n_hi = _keep(_safe_div(m_hi, _root_read(x_hi, s_v, dec_v, row_new * cn_hi)), m8,
-                     EVEN)
-        k1, k2 = _keys(seed_hash, index, step32, 0)
-        mc_lo, mc_hi, msbits, mmax = _quantize(n_lo, n_hi, amax_m, eoff, k1, k2)
+        kv1, kv2 = _keys(seed_hash, index, step32, 1)
+        km1, km2 = _keys(seed_hash, index, step32, 0)
+    # Elementwise maxima over the tiles, reduced once after them.
+    vmax_run = tl.zeros((BM, KB), tl.float32)
+    mmax_run = tl.zeros((BM, KB), tl.float32)
+    for _ in range(ITERS):
+        if EVEN:  # no masks (Triton functions cannot return None)
+            row_ok, bmask, m8, m4 = None, None, None, None
+        else:
+            row_ok, _, bmask, m8, m4 = _masks(rows, kbs, col, R, K)
+        # The new v, from the gradient and the old states.
+        g_lo, g_hi, b_lo, b_hi, sbits, row_old = _v_loads(
+            gp, vd, vs, row_root, rows, eoff, boff, soff, row_ok, bmask, m8, m4)
+        v_lo, v_hi, root_lo, root_hi = _v_from(
+            g_lo, g_hi, b_lo, b_hi, sbits, row_old, col_lo, col_hi, dec, beta2, w2, m8, EVEN)
+        m_lo, m_hi, _ = _values(_load(md + boff, m4), _load(md + boff + 4, m4),
+                                _load(ms + soff, bmask), dec_m)
+        m_lo = m_lo * root_lo  # stored normalized: m = m_hat * sqrt(v)
+        m_hi = m_hi * root_hi
+        m_lo = m_lo + (g_lo - m_lo) * w1
+        m_hi = m_hi + (g_hi - m_hi) * w1
+        root_lo = tl.sqrt_rn(v_lo)
+        root_hi = tl.sqrt_rn(v_hi)
+        # The stored form of v: its root times the reciprocal roots of its new factors.
+        inv_row = _load(inv + rows, row_ok)[:, None, None]
+        st_lo = _keep(root_lo * (inv_row * inv_lo), m8, EVEN)
+        st_hi = _keep(root_hi * (inv_row * inv_hi), m8, EVEN)
+        if PASS == CALIBRATE:
+            # The first step's amaxes: of stored v, and of m over the root of v as it is.
+            vmax_run = jit.max_nan(vmax_run, jit.block_amax(st_lo, st_hi))
+            n_lo = _keep(_safe_div(m_lo, root_lo), m8, EVEN)
+            n_hi = _keep(_safe_div(m_hi, root_hi), m8, EVEN)
+            mmax_run = jit.max_nan(mmax_run, jit.block_amax(n_lo, n_hi))
+        else:
+            p_lo = _load(pp + eoff, m8)
+            p_hi = _load(pp + eoff + 8, m8)
+            if DECAY:
+                p_lo = p_lo * decay
+                p_hi = p_hi * decay
+            d_lo = root_lo * inv_bc2 + eps
+            d_hi = root_hi * inv_bc2 + eps
+            tl.store(pp + eoff, p_lo + tl.math.div_rn(m_lo * neg_step, d_lo), mask=m8)
+            tl.store(pp + eoff + 8, p_hi + tl.math.div_rn(m_hi * neg_step, d_hi), mask=m8)
+            vc_lo, vc_hi, vsbits, vmax = _quantize(st_lo, st_hi, amax_v, eoff, kv1, kv2)
+            # m over the root of the v the next step reads back, so m round-trips exactly.
+            row_new = _load(roots + rows, row_ok)[:, None, None]
+            s_v = jit.e4m3_value(vsbits)[:, :, None]
+            x_lo = (jit.e2m1_value(vc_lo) * s_v) * dec_v
+            x_hi = (jit.e2m1_value(vc_hi) * s_v) * dec_v
+            n_lo = _keep(_safe_div(m_lo, _root_read(x_lo, s_v, dec_v, row_new * cn_lo)), m8,
+                         EVEN)
+            n_hi = _keep(_safe_div(m_hi, _root_read(x_hi, s_v, dec_v, row_new * cn_hi)), m8,
+                         EVEN)
+            mc_lo, mc_hi, msbits, mmax = _quantize(n_lo, n_hi, amax_m, eoff, km1, km2)
+            vmax_run = jit.max_nan(vmax_run, vmax)
+            mmax_run = jit.max_nan(mmax_run, mmax)
+            # The new m and v replace the old ones in place: this tile's codes and block
+            # scales are read by this program only, and past the barrier every thread of it
+            # has read them.
+            tl.debug_barrier()
+            _store_codes(vd, vs, boff, soff, m4, bmask, vc_lo, vc_hi, vsbits)
+            _store_codes(md, ms, boff, soff, m4, bmask, mc_lo, mc_hi, msbits)
+        rows += BM
+        eoff += BM * K
+        boff += BM * (K // 2)
+        soff += BM * (K // 16)
+    if PASS == CALIBRATE:
+        _max_into(_field(meta, _VN, tl.float32), vmax_run * headroom)
+        _max_into(_field(meta, _MN, tl.float32), mmax_run * headroom)
+    else:
         # The maxima the next step's amaxes come from (the factors launch rolls them).
         pending = pending_ptr + tl.load(meta + _PENDING)
-        _max_into(pending, mmax)
-        _max_into(pending + 1, vmax)
-        # The new m and v replace the old ones in place: this tile's codes and block scales
-        # are read by this program only, and past the barrier every thread of it has read
-        # them.
-        tl.debug_barrier()
-        _store_codes(_field(meta, _VD, tl.uint8), _field(meta, _VS, tl.uint8),
-                     boff, soff, m4, bmask, vc_lo, vc_hi, vsbits)
-        _store_codes(_field(meta, _MD, tl.uint8), _field(meta, _MS, tl.uint8),
-                     boff, soff, m4, bmask, mc_lo, mc_hi, msbits)
+        _max_into(pending, mmax_run)
+        _max_into(pending + 1, vmax_run)
 
 
 @triton.jit

@@ -44,9 +44,9 @@ class StepPlan:
         device = params[0].device
         self.tilings = _tilings()
         self.step_tiling, self.sums_tiling = self.tilings
-        # (rows, blocks) of a program's tile: of the step passes, of the sums pass.
-        tiles = [self.step_tiling[:2], (self.sums_tiling[0] * self.sums_tiling[2],
-                                        self.sums_tiling[1])]
+        # (rows, blocks) of a program's tiles: of the step passes, of the sums pass.
+        tiles = [(self.step_tiling[0] * self.step_tiling[2], self.step_tiling[1]),
+                 (self.sums_tiling[0] * self.sums_tiling[2], self.sums_tiling[1])]
         counts: list[list[int]] = [[], [], []]  # step tiles, sums tiles, lines per tensor
         starts = [0, 0, 0]
         table = []
@@ -130,17 +130,18 @@ class StepPlan:
             dst.copy_(host)
 
     def _launch_sums(self) -> None:
-        bm, kb, iters, warps = self.sums_tiling
+        bm, kb, iters, warps, maxnreg = self.sums_tiling
         kern.adamw4_sums_kernel[(self.sums_work.numel(),)](
             self.sums_work, self.meta, self.grad_ptrs, self.scalars, self.sums,
-            EVEN=self.even_sums, BM=bm, KB=kb, ITERS=iters, num_warps=warps, **_launch_options())
+            EVEN=self.even_sums, BM=bm, KB=kb, ITERS=iters, num_warps=warps,
+            **_launch_options(), **register_cap(maxnreg))
 
     def _launch(self, pass_: int, decay: bool = False) -> None:
-        bm, kb, warps = self.step_tiling
+        bm, kb, iters, warps, maxnreg = self.step_tiling
         kern.adamw4_kernel[(self.work.numel(),)](
             self.work, self.meta, self.grad_ptrs, self.scalars, self.scalars.view(torch.int32),
             self.roots, self.inv, self.pending, PASS=pass_, DECAY=decay, EVEN=self.even, BM=bm,
-            KB=kb, num_warps=warps, **_launch_options())
+            KB=kb, ITERS=iters, num_warps=warps, **_launch_options(), **register_cap(maxnreg))
 
     def _launch_factors(self, mode: int) -> None:
         kern.adamw4_factors_kernel[(self.line_work.numel(),)](
@@ -181,11 +182,22 @@ class StepPlan:
         self.warm.add(decay)
 
 
-def _tilings() -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
-    """(rows, blocks, warps) of a tile of the step passes, and (rows, blocks, iterations,
-    warps) of the sums pass's, as now set."""
-    return ((kern.BM, kern.KB, kern.NUM_WARPS),
-            (kern.SUMS_BM, kern.SUMS_KB, kern.SUMS_ITERS, kern.SUMS_WARPS))
+def _tilings() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(rows, blocks, iterations, warps, register cap) of a program of the step passes and
+    of the sums pass, as now set."""
+    return ((kern.BM, kern.KB, kern.STEP_ITERS, kern.NUM_WARPS, kern.STEP_MAXNREG),
+            (kern.SUMS_BM, kern.SUMS_KB, kern.SUMS_ITERS, kern.SUMS_WARPS, kern.SUMS_MAXNREG))
+
+
+def register_cap(maxnreg: int) -> dict:
+    """The launch option capping a kernel's registers per thread (none for 0, under the
+    interpreter, or where this Triton has no such option)."""
+    options = _launch_options()
+    if not maxnreg or not options:  # interpreted (no options): nothing to cap
+        return {}
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return {"maxnreg": maxnreg} if "maxnreg" in CUDAOptions.__dataclass_fields__ else {}
 
 
 def _work_list(counts: list[int], device: torch.device) -> Tensor:

@@ -31,6 +31,7 @@ class HopperBuild:
     registers: int | None  # None: no ptxas at hand reads this PTX
     spilled_bytes: int | None
     sass_instructions: int | None = None  # static count in the cubin; None: no cuobjdump
+    loop_sass_instructions: int | None = None  # of those, inside loops (a backward branch's)
 
     @property
     def uses_wgmma(self) -> bool:
@@ -50,10 +51,11 @@ def signature(fn, constexprs: dict, types: dict[str, str], default: str = "i32")
 
 
 def compile_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int = 4,
-                 num_stages: int | None = None, default: str = "i32") -> HopperBuild:
+                 num_stages: int | None = None, maxnreg: int | None = None,
+                 default: str = "i32") -> HopperBuild:
     """Compile the @triton.jit `fn` for sm_90 with fp4stack's exact-float options (no FMA
     contraction, subnormals kept), as its launches do, and report what it needs. num_stages
-    None: Triton's default."""
+    None: Triton's default; maxnreg: a cap on registers per thread."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_sm90 needs a process without TRITON_INTERPRET=1")
     import triton
@@ -65,14 +67,17 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int 
     options = dict(num_warps=num_warps, **_launch_options())
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg:
+        options["maxnreg"] = maxnreg
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
-    registers, spilled, sass = ptxas_report(ptx)
-    return HopperBuild(ptx, kernel.metadata.shared, registers, spilled, sass)
+    registers, spilled, sass, loops = ptxas_report(ptx)
+    return HopperBuild(ptx, kernel.metadata.shared, registers, spilled, sass, loops)
 
 
-def ptxas_report(ptx: str) -> tuple[int | None, int | None, int | None]:
-    """(registers, spill-store bytes, SASS instructions) of the PTX for sm_90a, from the first
+def ptxas_report(ptx: str) -> tuple[int | None, int | None, int | None, int | None]:
+    """(registers, spill-store bytes, SASS instructions, those inside loops) of the PTX for
+    sm_90a, from the first
     ptxas in Triton's wheel that accepts it (and its cuobjdump for the static instruction count:
     a kernel without loops issues about that many instructions per thread, which bounds an
     instruction-bound kernel's time); None where no tool does."""
@@ -94,15 +99,22 @@ def ptxas_report(ptx: str) -> tuple[int | None, int | None, int | None]:
                 continue
             spill = re.search(r"(\d+) bytes spill stores", r.stderr)
             return int(regs.group(1)), int(spill.group(1)) if spill else 0, \
-                _sass_count(os.path.join(bindir, "cuobjdump"), cubin)
-    return None, None, None
+                *_sass_count(os.path.join(bindir, "cuobjdump"), cubin)
+    return None, None, None, None
 
 
-def _sass_count(cuobjdump: str, cubin: str) -> int | None:
+def _sass_count(cuobjdump: str, cubin: str) -> tuple[int | None, int | None]:
+    """(instructions, instructions inside loops) of the cubin's SASS; a loop is the span from
+    a backward branch's target to the branch."""
     if not os.path.exists(cuobjdump):
-        return None
+        return None, None
     r = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=False)
     # Instruction lines look like "        /*0040*/                   IMAD.MOV.U32 R1, ..."; the
     # NOPs that pad the end of the code are not counted.
-    count = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?!NOP\b)\S", r.stdout, flags=re.M))
-    return count or None
+    code = [(int(addr, 16), ins) for addr, ins in re.findall(
+        r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", r.stdout, flags=re.M)
+        if not re.match(r"(@!?U?P\w+\s+)?NOP\b", ins)]
+    spans = [(int(m.group(1), 16), addr) for addr, ins in code
+             if (m := re.search(r"\bBRA\b.*0x([0-9a-f]+)", ins)) and int(m.group(1), 16) < addr]
+    in_loops = sum(1 for addr, _ in code if any(lo <= addr <= hi for lo, hi in spans))
+    return (len(code) or None), in_loops

@@ -26,17 +26,20 @@ computed, and two tiny launches per row and column:
 The first step of a tensor has no previous amaxes: a "calibrate" pass between "factors" and
 "step" takes them from the step's own v and m (as the reference does).
 
-Memory. Each program of the step pass reads the old codes and block scales of its own tile only
-(the block floor of v uses the scale of the same block), so after a barrier it overwrites them
-with the new ones; the fields that every program reads (amaxes, roots of the factors) change
-only in the roll launch, after the pass. Resident between steps, besides the states: the launch
-tables (8 x NMETA bytes and a gradient pointer per tensor, 4 bytes per tile of 1024 elements
-and of the sums pass, and per line of 1024 rows or columns), float64 sums and float32 roots and
-reciprocal roots (16 bytes per row and per column), and a float32 pair per tensor for the new
-amaxes.
+Memory. Each program of the step pass reads the old codes and block scales of its own tiles
+only (the block floor of v uses the scale of the same block), so after a barrier it overwrites
+each tile's with the new ones; the fields that every program reads (amaxes, roots of the
+factors) change only in the roll launch, after the pass. Resident between steps, besides the
+states: the launch tables (8 x NMETA bytes and a gradient pointer per tensor, 4 bytes per
+program of the step pass (2048 elements) and of the sums pass (8192), and per line of 1024
+rows or columns), float64 sums and float32 roots and reciprocal roots (16 bytes per row and per
+column), and a float32 pair per tensor for the new amaxes.
 
 One launch covers all tensors: a table of per-tensor pointers and sizes (`meta`), a work list
-mapping each program to its tensor, tiles of BM rows x KB 16-element blocks. The per-step
+mapping each program to its tensor. A program of the step pass walks STEP_ITERS tiles of BM
+rows x KB 16-element blocks down a strip of columns: the column roots, scalars, rounding keys
+and table fields are read once for all of them, and the amaxes' maxima reduced once (per tile,
+these were a quarter of the pass's instructions). The per-step
 scalars (learning rate, bias corrections, the step for the rounding seeds) are read from a
 small device buffer, not passed as arguments, so the launches of a step are the same every step
 and are captured once as a CUDA graph and replayed (on CUDA, from the third step with the same

@@ -23,9 +23,12 @@ fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P
 there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
 are rounded to that dtype and multiplied in fp32 (MMA_TY).
 
-Tiles: see default_tiles (fixed per head dim, picked for Hopper by reasoning, not by measurement;
-benchmarks/bench_attention.py --sweep times the alternatives). Measured so far only on a CPU under
-the Triton interpreter (correctness); the kernels compile for sm_90, speed is unmeasured.
+The online softmax accumulates P V̂ into the output in place (the dot adds into it) and applies
+V's scalar decode factor once at the end: a second accumulator would cost a tile of registers.
+
+Tiles: see default_tiles (per head dim, from sweeps on an H200; benchmarks/bench_attention.py
+--sweep times the alternatives). Tested under the Triton interpreter on the CPU and on an H200;
+speeds in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ def default_tiles(head_dim: int, device_type: str = "cuda",
     "dkdv" (key-major). Under the interpreter: 16 x 16, so small tests cross tiles and tails.
 
     CUDA, 16-bit: first picked from ptxas's register report for sm_90 (the largest tiles with
-    no or small spills), then d=128's key-major tile from a sweep on an H200
-    (bench_attention.py --sweep, 2026-11-30, S=2048, deterministic dQ): 32 x 64 with 4 warps
-    took the forward + backward from 2.38 to 1.88 ms; the other passes' tiles moved it < 5%.
+    no or small spills), then d=128's from sweeps on an H200 (2026-11-30, S=2048,
+    deterministic dQ): a key-major tile of 32 x 64 with 4 warps took the forward + backward
+    from 2.38 to 1.88 ms; later, with the forward accumulating in place, 64 x 64 tiles with 4
+    warps for the forward (3 stages) and the amax pass took it from 1.75 to 1.58 ms.
     fp32 inputs (tests): small tiles, fp32 tiles take twice the shared memory.
     """
     if device_type != "cuda":
@@ -78,8 +82,8 @@ def default_tiles(head_dim: int, device_type: str = "cuda",
     big = head_dim > 64
     return dict(
         quant=quant,
-        fwd=Tile(128, 64, 8, 2),
-        amax=Tile(128, 64, 8, 2),
+        fwd=Tile(64, 64, 4, 3) if big else Tile(128, 64, 8, 2),
+        amax=Tile(64, 64, 4, 2) if big else Tile(128, 64, 8, 2),
         dkdv=Tile(32, 64, 4, 2),
         dq=Tile(64, 32, 4, 2) if big else Tile(128, 64, 8, 2),
     )
@@ -218,8 +222,9 @@ def _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L, qk
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = tl.dot(p.to(DOT_TY).to(MMA_TY), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv * v_dec
+        # Accumulated in place (the dot adds into acc: no second accumulator); V's decode
+        # factor, a scalar, is applied once at the end.
+        acc = tl.dot(p.to(DOT_TY).to(MMA_TY), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -247,7 +252,7 @@ def attention_fwd_kernel(
 
     # A row with no allowed key: output 0 and lse +inf, as the reference.
     has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    out = (acc * v_dec) / tl.where(has_key, l_i, 1.0)[:, None]
     lse = tl.where(has_key, m_i + tl.log(l_i), float("inf"))
     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + bh.to(tl.int64) * S + rows, lse, mask=row_ok)
@@ -258,7 +263,8 @@ def amaxes(q, k, v, q_amax=None, k_amax=None, v_amax=None) -> torch.Tensor:
     on the device, no host sync)."""
     out = []
     for t, a in ((q, q_amax), (k, k_amax), (v, v_amax)):
-        a = t.abs().amax().float() if a is None else a
+        # max |x| in one reduction (abs().amax() writes |x| out first)
+        a = torch.linalg.vector_norm(t, float("inf")).float() if a is None else a
         out.append(torch.as_tensor(a, dtype=torch.float32, device=q.device).reshape(()))
     return torch.stack(out)
 

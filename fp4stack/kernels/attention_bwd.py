@@ -17,11 +17,12 @@ The reference quantizes dS with one global amax over the whole [B, H, S, L] dS, 
 twice: once to find that amax, once to use it. Passes, all reading the units of attention.py's
 prologue (E2M1 x E4M3 values, exact in bf16) and applying the scalar global factors to fp32 dots:
 
-1. delta_kernel: delta = rowsum(dO ∘ O), fp32, from the output as returned (bf16 for bf16
-   inputs, as flash attention does; the reference keeps an fp32 O).
-2. query_kernel with DQ=False (query-major: BLOCK_M queries, loop over key tiles): recomputes
-   S = Q̂ K̂ᵀ, P = exp(S - lse) with the forward's lse, dP = dO V̂ᵀ, dS = P ∘ (dP - delta), and
-   writes each program's max |dS|; their max is the global amax (on the device, no host sync).
+1. query_kernel with DQ=False (query-major: BLOCK_M queries, loop over key tiles): first
+   delta = rowsum(dO ∘ O) of its rows, fp32, from the output as returned (bf16 for bf16 inputs,
+   as flash attention does; the reference keeps an fp32 O), stored for the later passes; then
+   it recomputes S = Q̂ K̂ᵀ, P = exp(S - lse) with the forward's lse, dP = dO V̂ᵀ,
+   dS = P ∘ (dP - delta), and writes each program's max |dS|; their max is the global amax (on
+   the device, no host sync). Without it (ds=None) delta_kernel computes delta.
    Like the forward, it masks only the key tiles that need it (attention.key_range).
 3. dkdv_kernel (key-major: BLOCK_N keys, loop over query tiles, tiles transposed so that Pᵀ and
    dSᵀ come straight out of the dots): dV += Pᵀ dO; dSᵀ quantized in 16-blocks along the queries,
@@ -41,8 +42,8 @@ reference's (which zero-pads the queries or keys); padded and masked entries hav
 dS = 0. Causal: queries are the last S of L positions (query i sees keys j <= i + L - S), and
 tiles that see nothing are skipped. dQ, dK, dV are accumulated in fp32, stored in the input dtype.
 
-Measured only on a CPU under the Triton interpreter (see tests/test_attention_kernel.py for the
-errors against the reference); compiles for sm_90; speed unmeasured.
+Tested under the Triton interpreter on the CPU and on an H200 (tests/test_attention_kernel.py
+states the tolerances against the reference); speeds in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -72,13 +73,20 @@ DETERMINISTIC = True
 
 
 @triton.jit
+def _delta(o_ptr, do, off, ok):
+    """delta = rowsum(dO ∘ O) in fp32 of rows of dO (do, as loaded) and of O (at o_ptr + off)."""
+    o = tl.load(o_ptr + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    return tl.sum(o * do.to(tl.float32), 1)
+
+
+@triton.jit
 def delta_kernel(o_ptr, do_ptr, delta_ptr, R, D: tl.constexpr, BLOCK: tl.constexpr):
+    """delta without the amax pass (ds=None), which otherwise computes it."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < R
     off = rows[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :]
-    o = tl.load(o_ptr + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + rows, tl.sum(o * do, 1), mask=ok)
+    do = tl.load(do_ptr + off, mask=ok[:, None], other=0.0)
+    tl.store(delta_ptr + rows, _delta(o_ptr, do, off, ok), mask=ok)
 
 
 @triton.jit
@@ -143,23 +151,29 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
 
 @triton.jit
 def query_kernel(
-    qu_ptr, ku_ptr, k_dq_ptr, v_dp_ptr, do_ptr, lse_ptr, delta_ptr, amax_ptr, partial_ptr,
-    dq_ptr, dbg_ptr, BH, S, L, G, scale,
+    qu_ptr, ku_ptr, k_dq_ptr, v_dp_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, amax_ptr,
+    partial_ptr, dq_ptr, dbg_ptr, BH, S, L, G, scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DQ: tl.constexpr, REUSE: tl.constexpr, QUANT_DS: tl.constexpr, MMA_TY: tl.constexpr,
     PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr, DEBUG: tl.constexpr,
 ):
     """BLOCK_M query rows against every key tile they see: S from the units qu, ku (blocks along
-    d), dP from v_dp. DQ=False: the rows' max |dS| into partial[program]. DQ=True: dQ rows from
-    dS (quantized along the keys with amax_ptr[3] if QUANT_DS) times the K units k_dq (REUSE: ku
-    itself, k_dq_ptr unused); DEBUG also writes the raw dS to dbg[2] and the dS operand's values
-    to dbg[3] ([4, B*H, S, L] fp32)."""
+    d), dP from v_dp. DQ=False: first the rows' delta = rowsum(dO ∘ O) from o into delta (the
+    later passes read it there), then the rows' max |dS| into partial[program]. DQ=True: dQ
+    rows from dS (quantized along the keys with amax_ptr[3] if QUANT_DS) times the K units
+    k_dq (REUSE: ku itself, k_dq_ptr unused); DEBUG also writes the raw dS to dbg[2] and the
+    dS operand's values to dbg[3] ([4, B*H, S, L] fp32)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     rows, row_ok, q_off, q = query_tile(qu_ptr, bh, pid_m, S, D, BLOCK_M, MMA_TY)
-    do = tl.load(do_ptr + q_off, mask=row_ok[:, None], other=0.0).to(MMA_TY)
+    do = tl.load(do_ptr + q_off, mask=row_ok[:, None], other=0.0)
     # Padded rows: lse +inf gives P = 0 there, hence dS = 0.
     lse = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
+    if DQ:
+        delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
+    else:
+        delta = _delta(o_ptr, do, q_off, row_ok)
+        tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=row_ok)
+    do = do.to(MMA_TY)
     _, k_dec, qk_scale, v_dec = score_factors(amax_ptr, scale)
     ds_amax, ds_dec = ds_factors(amax_ptr, QUANT_DS)
     kv_base = (bh // G).to(tl.int64) * L * D  # G query heads per K/V head
@@ -290,29 +304,31 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     G = H // Hkv
     dev = qu.device
     do = do.contiguous()
-    dk, dv = torch.zeros_like(ku), torch.zeros_like(vu)
     if not (S and L):
         ds_amax = torch.zeros((), device=dev) if quant_ds else None
-        return torch.zeros_like(qu), dk, dv, ds_amax, None
+        return torch.zeros_like(qu), torch.zeros_like(ku), torch.zeros_like(vu), ds_amax, None
+    # Every key row is written by its dK/dV program (zeros where no query sees it).
+    dk, dv = torch.empty_like(ku), torch.empty_like(vu)
     opts = _launch_options()
     mma_ty, precision = mma_type(qu.dtype)
     common = dict(D=D, CAUSAL=causal, REUSE=reuse, QUANT_DS=quant_ds, MMA_TY=mma_ty,
                   PRECISION=precision, SCALE_MAX=SCALE_MAX, **opts)
     delta = torch.empty((B, H, S), dtype=torch.float32, device=dev)
-    delta_kernel[(triton.cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
-                                                 **opts)
-    if quant_ds:  # the global amax of dS, before any dS is quantized
+    out = out.contiguous()
+    if quant_ds:  # delta and the global amax of dS, before any dS is quantized
         t = tiles["amax"]
         grid = (triton.cdiv(S, t.block_m), B * H)
         partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
         amax4 = torch.cat([amax, amax[:1]])  # slot 3 (dS) unused by the amax pass
-        query_kernel[grid](qu, ku, k_dq, vu, do, lse, delta, amax4, partial, partial, partial,
-                           B * H, S, L, G, scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                           DQ=False, DEBUG=False, **common, num_warps=t.num_warps,
-                           num_stages=t.num_stages)
+        query_kernel[grid](qu, ku, k_dq, vu, do, out, lse, delta, amax4, partial, partial,
+                           partial, B * H, S, L, G, scale, BLOCK_M=t.block_m,
+                           BLOCK_N=t.block_n, DQ=False, DEBUG=False, **common,
+                           num_warps=t.num_warps, num_stages=t.num_stages)
         ds_amax = partial.amax()
         amax4 = torch.cat([amax, ds_amax.reshape(1)])
     else:  # slot 3 is never read
+        delta_kernel[(triton.cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
+                                                     **opts)
         ds_amax, amax4 = None, torch.cat([amax, amax[:1]])
     dbg = torch.full((4, B, H, S, L), float("nan"), device=dev) if debug else amax4
     dq_acc = torch.zeros((B, H, S, D), dtype=torch.float32, device=dev) if not deterministic \
@@ -326,7 +342,7 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
         dq = torch.empty_like(qu)
         t = tiles["dq"]
         query_kernel[(triton.cdiv(S, t.block_m), B * H)](
-            qu, ku, k_dq, vu, do, lse, delta, amax4, amax4, dq, dbg, B * H, S, L, G, scale,
+            qu, ku, k_dq, vu, do, out, lse, delta, amax4, amax4, dq, dbg, B * H, S, L, G, scale,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, DQ=True, DEBUG=debug, **common,
             num_warps=t.num_warps, num_stages=t.num_stages)
     else:  # the global factors, as query_kernel applies them

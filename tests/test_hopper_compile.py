@@ -45,6 +45,14 @@ def test_fused_adamw4_step_compiles_for_sm90_with_at_most_a_few_spills():
     spilled = [int(line.split(" bytes spilled")[0].rsplit(" ", 1)[1]) for line in lines
                if "bytes spilled" in line]
     assert len(spilled) == 9 and max(spilled) <= 64, lines
+    # ...and the caps reach the compiler (ptxas's count, where a ptxas reads the PTX).
+    from fp4stack.kernels import adamw4
+
+    regs = {line.split(":")[0]: int(line.split(" registers")[0].rsplit(" ", 1)[1])
+            for line in lines if " registers" in line}
+    if regs:
+        assert regs["adamw4 pass step decay=True full tiles=True"] <= adamw4.STEP_MAXNREG, regs
+        assert regs["adamw4 pass sums full tiles=True"] <= adamw4.SUMS_MAXNREG, regs
     # The static SASS count per element (where the wheel has cuobjdump; the passes' tiles
     # differ in size): the sums pass only decodes v and updates it, the calibration pass adds
     # m but neither the update nor the quantizers, so each is shorter than the step pass; full

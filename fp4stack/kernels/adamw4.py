@@ -166,19 +166,6 @@ def _values(b_lo, b_hi, sbits, dec):
 
 
 @triton.jit
-def _decode(meta, first, boff, soff, m4, bmask):
-    """Values of a tile of a stored NVFP4 moment (see _values), its block scales and decode
-    scale."""
-    dec = tl.load(_field(meta, first + 2, tl.float32)) * _DEC  # its amax field
-    sbits = _load(_field(meta, first + 1, tl.uint8) + soff, bmask)
-    data = _field(meta, first, tl.uint8)
-    b_lo = _load(data + boff, m4)
-    b_hi = _load(data + boff + 4, m4)
-    lo, hi, s = _values(b_lo, b_hi, sbits, dec)
-    return lo, hi, s, dec
-
-
-@triton.jit
 def _root_read(x, s, dec, est_root):
     """The root of v from its dequantized stored form: zeros lifted to the block floor
     (state_transforms.block_floor), times the root of the rank-1 estimate (read_state)."""

@@ -134,14 +134,14 @@ class StepPlan:
         kern.adamw4_sums_kernel[(self.sums_work.numel(),)](
             self.sums_work, self.meta, self.grad_ptrs, self.scalars, self.sums,
             EVEN=self.even_sums, BM=bm, KB=kb, ITERS=iters, num_warps=warps,
-            **_launch_options(), **register_cap(maxnreg))
+            **_launch_options(maxnreg))
 
     def _launch(self, pass_: int, decay: bool = False) -> None:
         bm, kb, iters, warps, maxnreg = self.step_tiling
         kern.adamw4_kernel[(self.work.numel(),)](
             self.work, self.meta, self.grad_ptrs, self.scalars, self.scalars.view(torch.int32),
             self.roots, self.inv, self.pending, PASS=pass_, DECAY=decay, EVEN=self.even, BM=bm,
-            KB=kb, ITERS=iters, num_warps=warps, **_launch_options(), **register_cap(maxnreg))
+            KB=kb, ITERS=iters, num_warps=warps, **_launch_options(maxnreg))
 
     def _launch_factors(self, mode: int) -> None:
         kern.adamw4_factors_kernel[(self.line_work.numel(),)](
@@ -187,17 +187,6 @@ def _tilings() -> tuple[tuple[int, ...], tuple[int, ...]]:
     of the sums pass, as now set."""
     return ((kern.BM, kern.KB, kern.STEP_ITERS, kern.NUM_WARPS, kern.STEP_MAXNREG),
             (kern.SUMS_BM, kern.SUMS_KB, kern.SUMS_ITERS, kern.SUMS_WARPS, kern.SUMS_MAXNREG))
-
-
-def register_cap(maxnreg: int) -> dict:
-    """The launch option capping a kernel's registers per thread (none for 0, under the
-    interpreter, or where this Triton has no such option)."""
-    options = _launch_options()
-    if not maxnreg or not options:  # interpreted (no options): nothing to cap
-        return {}
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    return {"maxnreg": maxnreg} if "maxnreg" in CUDAOptions.__dataclass_fields__ else {}
 
 
 def _work_list(counts: list[int], device: torch.device) -> Tensor:

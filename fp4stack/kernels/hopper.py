@@ -64,11 +64,9 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int 
 
     src = ASTSource(fn=fn, signature=signature(fn, constexprs, types, default),
                     constexprs=constexprs)
-    options = dict(num_warps=num_warps, **_launch_options())
+    options = dict(num_warps=num_warps, **_launch_options(maxnreg or 0))
     if num_stages is not None:
         options["num_stages"] = num_stages
-    if maxnreg:
-        options["maxnreg"] = maxnreg
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     registers, spilled, sass, loops = ptxas_report(ptx)

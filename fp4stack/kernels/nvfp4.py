@@ -45,8 +45,9 @@ DEQUANTIZE_TILE = TileConfig()
 
 
 @functools.cache
-def _launch_options() -> dict:
-    """The options of _EXACT this Triton knows (none under the interpreter)."""
+def _launch_options(maxnreg: int = 0) -> dict:
+    """The options of _EXACT this Triton knows (none under the interpreter), and with `maxnreg`
+    a cap on registers per thread where this Triton has one."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return {}
     try:
@@ -54,7 +55,10 @@ def _launch_options() -> dict:
     except ImportError:
         return {}
     known = CUDAOptions.__dataclass_fields__
-    return {k: v for k, v in _EXACT.items() if k in known}
+    options = {k: v for k, v in _EXACT.items() if k in known}
+    if maxnreg and "maxnreg" in known:
+        options["maxnreg"] = maxnreg
+    return options
 
 
 def _as_3d(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -208,7 +208,7 @@ def key_tile_scores(q, ku_ptr, vu_ptr, kv_base, start_n, rows, S, L, qk_scale,
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L, qk_scale, v_dec,
+def _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L, qk_scale,
                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                MMA_TY: tl.constexpr, PRECISION: tl.constexpr):
     """The online softmax over key tiles [lo, hi); MASK: apply the causal and key-count masks."""
@@ -246,9 +246,9 @@ def attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     lo, hi = key_range(pid_m, S, L, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, 0, lo, S, L,
-                               qk_scale, v_dec, D, BLOCK_N, False, CAUSAL, MMA_TY, PRECISION)
+                               qk_scale, D, BLOCK_N, False, CAUSAL, MMA_TY, PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, ku_ptr, vu_ptr, kv_base, rows, lo, hi, S, L,
-                               qk_scale, v_dec, D, BLOCK_N, True, CAUSAL, MMA_TY, PRECISION)
+                               qk_scale, D, BLOCK_N, True, CAUSAL, MMA_TY, PRECISION)
 
     # A row with no allowed key: output 0 and lse +inf, as the reference.
     has_key = l_i > 0

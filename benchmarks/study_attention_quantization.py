@@ -45,6 +45,8 @@ CONFIGS = {
     "Q, K, V, dS; no reuse": AttentionQuant(reuse=False),
     "Q, K, V; reuse (dS high precision)": AttentionQuant(ds=None),
     "Q, K, V; no reuse (dS high precision)": AttentionQuant(ds=None, reuse=False),
+    "Q, K, V, dS; reuse V̂ only": AttentionQuant(reuse=("v",)),
+    "Q, K, V, dS; reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
     "V only": AttentionQuant.only("v"),

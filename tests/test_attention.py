@@ -54,7 +54,9 @@ def fq(t, dim):
 
 
 def reference(qkv, do, mask, reuse=True):
-    """The default config (Q, K, V, dS quantized) written out by hand, float64."""
+    """The default config (Q, K, V, dS quantized) written out by hand, float64. reuse: True,
+    False or the names of q, k, v whose forward values the backward reuses."""
+    reused = "qkv" if reuse is True else "" if reuse is False else reuse
     q, k, v = (t.detach().double() for t in qkv)
     do = do.double()
     scale = 1 / math.sqrt(q.shape[-1])
@@ -62,10 +64,10 @@ def reference(qkv, do, mask, reuse=True):
     p = ((qh @ kh.mT) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
     o = p @ vh
     dv = p.mT @ do
-    dp = do @ (vh if reuse else fq(v, -1)).mT
+    dp = do @ (vh if "v" in reused else fq(v, -1)).mT
     ds = p * (dp - (do * o).sum(-1, keepdim=True))
-    dq = fq(ds, -1) @ (kh if reuse else fq(k, -2)) * scale
-    dk = fq(ds, -2).mT @ (qh if reuse else fq(q, -2)) * scale
+    dq = fq(ds, -1) @ (kh if "k" in reused else fq(k, -2)) * scale
+    dk = fq(ds, -2).mT @ (qh if "q" in reused else fq(q, -2)) * scale
     return o, dq, dk, dv
 
 
@@ -99,7 +101,7 @@ def test_off_decode_gqa_and_scale_match_sdpa():
 # ---- the default config against the reference ---------------------------------------------
 @pytest.mark.parametrize(("S", "L", "d"), [(1, 1, 16), (17, 17, 32), (33, 33, 64), (32, 32, 16),
                                            (7, 40, 32), (1, 19, 64)])
-@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("reuse", [True, False, ("v",), ("q", "k")])
 def test_default_matches_fake_quant_reference(S, L, d, reuse):
     qkv, do = inputs(S=S, L=L, d=d, seed=S + L + d)
     got = run(qkv, do, config=AttentionQuant(reuse=reuse))
@@ -250,6 +252,16 @@ def test_config_validation():
         AttentionQuant.only("o")
     with pytest.raises(TypeError, match="reuse"):
         AttentionQuant(reuse=1)
+    with pytest.raises(ValueError, match="unknown name.*'o'"):
+        AttentionQuant(reuse=("q", "o"))
+    # One spelling per reuse set: all is True, none is False, else the names in q, k, v, p order.
+    assert AttentionQuant(reuse=("p", "v", "k", "q")) == AttentionQuant()
+    assert AttentionQuant(reuse=()).reuse is False
+    partial = AttentionQuant(reuse=["v", "q"])
+    assert partial.reuse == ("q", "v") and partial.reuses("v") and not partial.reuses("k")
+    assert partial.describe() == "quantized: q, k, v, ds; reuse=q,v"
+    with pytest.raises(ValueError, match="not one of"):
+        partial.reuses("ds")
     assert AttentionQuant(p=QuantSpec.none()).p is None
     assert not AttentionQuant.off().quantizes and AttentionQuant.paper() == AttentionQuant()
     assert AttentionQuant.paper().describe() == "quantized: q, k, v, ds; reuse=True"

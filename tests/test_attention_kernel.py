@@ -274,7 +274,7 @@ def test_backend_choice():
         fp4_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="mask"):
         fp4_attention(q, k, v, mask=torch.ones(8, 8, dtype=torch.bool), backend="triton")
-    with pytest.raises(ValueError, match="default config, reuse=False and ds=None only"):
+    with pytest.raises(ValueError, match="default config, any reuse and ds=None only"):
         fp4_attention(q, k, v, config=AttentionQuant.only("q"), backend="triton")
     with pytest.raises(ValueError, match="head_dim"):
         fp4_attention(q[..., :8], k[..., :8], v[..., :8], backend="triton")
@@ -325,7 +325,9 @@ def test_gpt_trains_through_the_kernels(cfg):
 # ---- the ablations: AttentionQuant(reuse=False) and AttentionQuant(ds=None) -------------------
 NOREUSE, DS_HP = AttentionQuant(reuse=False), AttentionQuant(ds=None)
 BOTH = AttentionQuant(reuse=False, ds=None)
-ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP)
+# Partial reuse: the forward's V̂ in dP only; the forward's Q̂ and K̂ in dK and dQ only.
+REUSE_V, REUSE_QK = AttentionQuant(reuse=("v",)), AttentionQuant(reuse=("q", "k"))
+ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP, reuse_v=REUSE_V, reuse_qk=REUSE_QK)
 
 
 def test_backward_operands_bit_exact():
@@ -339,6 +341,11 @@ def test_backward_operands_bit_exact():
     want = [(q, 0, -1), (k, 1, -1), (v, 2, -1), (q, 0, -2), (k, 1, -2)]
     for u, (t, i, dim) in zip(units, want, strict=True):
         assert torch.equal(u * dec[i], fq_along(t, dim, amax[i]))
+    # Partial reuse: the reused names' saved units are passed through as they are.
+    fwd = fwd_kernels.quantize_operands(q, k, v, amax, tile)
+    got = fwd_kernels.backward_operands(fwd[0], k, fwd[2], amax, tile, ("q", "v"))
+    assert got[0] is fwd[0] and got[3] is fwd[0] and got[2] is fwd[2]
+    assert torch.equal(got[1], units[1]) and torch.equal(got[4], units[4])
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -431,7 +438,7 @@ def test_triton_configs():
     """_triton_unsupported accepts the default config and its two ablations (and both at once);
     any other spec or flag stays on the reference, and backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
-    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH):
+    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, REUSE_V, REUSE_QK):
         assert attention._triton_unsupported(q, cfg, None) == "", cfg
     stochastic = QuantSpec(rounding="stochastic", nan_policy="propagate")
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
@@ -439,7 +446,7 @@ def test_triton_configs():
                 AttentionQuant(ds=stochastic), AttentionQuant(q=QuantSpec(), ds=None),
                 AttentionQuant.off()):
         why = attention._triton_unsupported(q, cfg, None)
-        assert "reuse=False and ds=None only" in why and cfg.describe() in why, cfg
+        assert "any reuse and ds=None only" in why and cfg.describe() in why, cfg
         with pytest.raises(ValueError, match="fp4_attention.backend='triton'.: the kernels"):
             fp4_attention(q, k, v, config=cfg, backend="triton")
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from fp4stack.cli import main
 from fp4stack.data import write_shard
 from fp4stack.models.gpt import GPT
+from fp4stack.nn.attention import AttentionQuant
 from fp4stack.nn.recipe import PRESETS, LowRank
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
@@ -359,6 +360,26 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
         config(data, tmp_path, optimizer="adam")
 
 
-def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path):
-    result = train(config(data, tmp_path, recipe="fullstack", max_steps=3))
+@pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse"])
+def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
+    result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
+
+
+def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
+    """The -nvidia full stacks: NVIDIA's linear quantizers on every block (none kept in BF16),
+    fullstack's low-rank branch and NVFP4 states, and the attention their names say."""
+    linear = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
+    nvidia, fullstack = PRESETS["nvfp4-nvidia"], PRESETS["fullstack"]
+    reuse = {"fullstack-nvidia": True, "fullstack-nvidia-noreuse": False,
+             "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k")}
+    for name, want in reuse.items():
+        r = PRESETS[name]
+        assert r.name == name
+        assert all(getattr(r, f) == getattr(nvidia, f) for f in linear), name
+        assert r.keep_first_blocks == r.keep_last_blocks == 0
+        assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
+        assert r.attention == AttentionQuant(reuse=want), name
+    lowrank = PRESETS["lowrank-nvidia"]
+    assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
+    assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

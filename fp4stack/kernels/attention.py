@@ -1,5 +1,5 @@
 """Flash-attention-style Triton forward of NVFP4 attention (Q, K, V in NVFP4 1x16 RNE, P
-unquantized: the default AttentionQuant, and also its ablations reuse=False and ds=None, whose
+unquantized: the default AttentionQuant, and also its ablations of reuse and ds=None, whose
 forward is the same), matching fp4stack.nn.attention.fp4_attention; the backward is in
 attention_bwd.py.
 
@@ -14,10 +14,10 @@ one (batch, head) and walks the keys BLOCK_N at a time with an fp32 online softm
 grouped-query attention, query head h reads K/V head h // (H / Hkv) (no repeated copies). Key
 tiles every row of the query tile sees in full go through an unmasked loop; only the diagonal
 (causal) and the last, partial key tile pay for masks (key_range). The backward loads the same
-units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized); for reuse=False it gets
-backward_operands instead, the prologue's kernel run again on the raw q, k, v with the
-forward's amaxes: Q̂, K̂ along d (the forward's, bit for bit), V̂ along d, Q̂ along the queries,
-K̂ along the keys.
+units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized); for reuse=False, or a
+partial reuse, it gets backward_operands instead, the prologue's kernel run again on the raw
+tensors not reused, with the forward's amaxes: Q̂, K̂ along d (the forward's, bit for bit), V̂
+along d, Q̂ along the queries, K̂ along the keys.
 
 fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P is rounded to it
 there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
@@ -325,14 +325,21 @@ def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile):
             for i, (t, axis) in enumerate(((q, 1), (k, 1), (v, 0)))]
 
 
-def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile):
-    """reuse=False (the ablation): the units each backward GEMM quantizes afresh along its own
-    reduction dim, from the raw q, k, v and the forward's amaxes (a tensor's global amax does
-    not depend on the axis of its blocks, so the decode factors stay the forward's):
-    (Q̂, K̂ along d: S recomputed bit for bit as in the forward; V̂ along d for dP = dO V̂ᵀ;
-    Q̂ along queries for dK = dŜᵀ Q̂; K̂ along keys for dQ = dŜ K̂)."""
-    return [quantize_units(t, amax[i:], axis, tile)
-            for t, i, axis in ((q, 0, 1), (k, 1, 1), (v, 2, 1), (q, 0, 0), (k, 1, 0))]
+def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...] = ()):
+    """The units of the backward GEMMs when the backward does not reuse all of the forward's
+    (reuse=False, the ablation, or a partial reuse): (Q̂, K̂ along d, V̂ for dP = dO V̂ᵀ, Q̂ for
+    dK = dŜᵀ Q̂, K̂ for dQ = dŜ K̂). q, k, v are the forward's units for the names in `reused`,
+    which are used as they are (Q̂, K̂ along d, V̂ along keys), and the raw tensors otherwise,
+    quantized afresh along each GEMM's own reduction dim with the forward's amaxes (a tensor's
+    global amax does not depend on the axis of its blocks): Q̂, K̂ along d (S recomputed bit for
+    bit as in the forward), V̂ along d, Q̂ along queries, K̂ along keys."""
+    def units(t, i, axis):
+        return quantize_units(t, amax[i:], axis, tile)
+
+    qu, q_dk = (q, q) if "q" in reused else (units(q, 0, 1), units(q, 0, 0))
+    ku, k_dq = (k, k) if "k" in reused else (units(k, 1, 1), units(k, 1, 0))
+    vu = v if "v" in reused else units(v, 2, 1)
+    return qu, ku, vu, q_dk, k_dq
 
 
 def forward_units(qu, ku, vu, amax, causal: bool, scale: float, tile: Tile):

@@ -1,12 +1,14 @@
 """Flash-attention-style Triton backward of NVFP4 attention (the default AttentionQuant: the
 forward's Q̂, K̂, V̂ reused, dS in NVFP4 1x16 RNE, P and dO high precision), matching the
-backward of fp4stack.nn.attention.fp4_attention; also its two ablations, and both at once:
+backward of fp4stack.nn.attention.fp4_attention; also its ablations, and both at once:
 
 - reuse=False (constexpr REUSE=False): each GEMM takes units quantized along its own reduction
   dim (attention.backward_operands): S from Q̂, K̂ along d as in the forward, dP = dO V̂ᵀ with V̂
   along d (passed where the forward's V̂ would be: the backward reads V only for dP), dK = dŜᵀ Q̂
   with Q̂ along the queries (q_dk_ptr), dQ = dŜ K̂ with K̂ along the keys (k_dq_ptr). The decode
-  factors are the forward's: a tensor's amax does not depend on its blocks' axis.
+  factors are the forward's: a tensor's amax does not depend on its blocks' axis. A partial
+  reuse (e.g. reuse=("v",)) runs the same kernels with the forward's units passed for the
+  operands it reuses (V̂ along keys as vu, Q̂ as q_dk, K̂ as k_dq).
 - ds=None (constexpr QUANT_DS=False): no dS amax pass; the dK and dQ dots take the raw dS,
   rounded to the dot dtype as P is for dV (fp32 inputs: none; 16-bit inputs: bf16/fp16).
 
@@ -286,7 +288,8 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     qu, ku: Q̂, K̂ with blocks along d (S is recomputed from them); vu: the V̂ of dP = dO V̂ᵀ.
     Tensor reuse (q_dk, k_dq None): vu is the forward's (blocks along keys) and dK, dQ multiply
     by qu, ku. reuse=False: vu has blocks along d, q_dk (blocks along queries) and k_dq (along
-    keys) are given, all from attention.backward_operands. quant_ds False (ds=None): dS enters
+    keys) are given, all from attention.backward_operands (a partial reuse passes the
+    forward's units for the operands it reuses). quant_ds False (ds=None): dS enters
     the dK and dQ dots unquantized (rounded to the dot dtype), there is no amax pass and ds_amax
     is None. do [B, H, S, d] is made contiguous. dbg (debug=True, else None) is
     [4, B, H, S, L] fp32: the raw dS the dK pass used, its dK operand's values (dŜ along queries),

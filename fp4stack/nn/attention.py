@@ -28,7 +28,8 @@ GEMM's reduction: the numbers stay aligned with the forward, which is the point.
 reuse=False (the ablation): Q, K, V are saved unquantized and the backward re-quantizes each along
 its GEMM's reduction dim: V along d for dP, K along keys for dQ, Q along queries for dK, P along
 queries for dV (and Q, K along d again to recompute S). The backward then differentiates slightly
-different numbers from the ones the forward used.
+different numbers from the ones the forward used. reuse=("v",), ("q", "k") and so on reuse the
+named tensors only (AttentionQuant), to find out which reuse matters.
 
 Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
 saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
@@ -41,7 +42,7 @@ and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute
 
 Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
 attention_bwd (backward) for CUDA tensors when the config is the default or one of its ablations
-AttentionQuant(reuse=False), AttentionQuant(ds=None) (or both at once), mask is None, head_dim
+AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), mask is None, head_dim
 is 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
 same quantized values (bit-exact tiles) and sums in another order (ds=None with 16-bit inputs:
 dS is rounded to that dtype for its dots, where the reference keeps fp32). Everything else (p or
@@ -68,6 +69,8 @@ from ..formats.spec import QuantSpec
 
 _BLOCK = 16
 _FLAGS = ("q", "k", "v", "p", "ds", "dp")
+# The forward tensors the backward can reuse (reuse=True: all, False: none, or a tuple of these).
+_REUSABLE = ("q", "k", "v", "p")
 # The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
 NVFP4_RNE = QuantSpec(nan_policy="propagate")
 
@@ -78,6 +81,10 @@ class AttentionQuant:
     whether the backward reuses the forward's quantized Q, K, V (see the module docstring).
 
     The default is the method's: q, k, v and ds in NVFP4 1x16 RNE; p and dp high precision.
+    reuse: True (all of q, k, v, p), False (none), or a tuple of some of them, for the ablation
+    of which reuse matters: "q" Q̂ (blocks along d) in dK = dŜᵀ Q̂, "k" K̂ in dQ = dŜ K̂, "v" V̂
+    (blocks along keys) in dP = dO V̂ᵀ, "p" P̂ in dV; each one not reused is re-quantized along
+    its GEMM's reduction dim. S is recomputed from Q̂, K̂ along d either way (the same bits).
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -86,7 +93,7 @@ class AttentionQuant:
     p: QuantSpec | None = None
     ds: QuantSpec | None = NVFP4_RNE
     dp: QuantSpec | None = None
-    reuse: bool = True
+    reuse: bool | tuple[str, ...] = True
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -98,8 +105,13 @@ class AttentionQuant:
                 object.__setattr__(self, name, None)  # one spelling of "not quantized"
             elif spec is not None and spec.format == "nvfp4":
                 _check_nvfp4(name, spec)
-        if not isinstance(self.reuse, bool):
-            raise TypeError(f"AttentionQuant.reuse must be a bool, got {self.reuse!r}")
+        object.__setattr__(self, "reuse", _normalized_reuse(self.reuse))
+
+    def reuses(self, name: str) -> bool:
+        """Whether the backward reuses the forward's quantized `name` (one of q, k, v, p)."""
+        if name not in _REUSABLE:
+            raise ValueError(f"AttentionQuant.reuses: {name!r} is not one of {_REUSABLE}")
+        return self.reuse is True or (self.reuse is not False and name in self.reuse)
 
     @classmethod
     def off(cls) -> AttentionQuant:
@@ -126,7 +138,26 @@ class AttentionQuant:
 
     def describe(self) -> str:
         on = [name for name in _FLAGS if getattr(self, name) is not None]
-        return f"quantized: {', '.join(on) or 'nothing'}; reuse={self.reuse}"
+        reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
+        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}"
+
+
+def _normalized_reuse(reuse) -> bool | tuple[str, ...]:
+    """True, False, or the reused names in _REUSABLE's order (all: True, none: False)."""
+    if isinstance(reuse, bool):
+        return reuse
+    if not isinstance(reuse, (tuple, list, set, frozenset)) or \
+            not all(isinstance(n, str) for n in reuse):
+        raise TypeError(f"AttentionQuant.reuse must be a bool or a tuple of names from "
+                        f"{_REUSABLE}, got {reuse!r}")
+    unknown = sorted(set(reuse) - set(_REUSABLE))
+    if unknown:
+        raise ValueError(f"AttentionQuant.reuse: unknown name(s) {unknown}; choose from "
+                         f"{_REUSABLE}")
+    names = tuple(n for n in _REUSABLE if n in reuse)
+    if names == _REUSABLE:
+        return True
+    return names or False
 
 
 def _check_nvfp4(name: str, spec: QuantSpec) -> None:
@@ -199,7 +230,8 @@ class _FP4AttentionFn(torch.autograd.Function):
         p = _probs(s, lse)
         p_seed = draw_seed() if cfg.p is not None and cfg.p.rounding == "stochastic" else None
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
-        saved = (qh, kh, vh) if cfg.reuse else (q, k, v)
+        saved = [hat if cfg.reuses(n) else raw
+                 for n, hat, raw in (("q", qh, q), ("k", kh, k), ("v", vh, v))]
         ctx.save_for_backward(*saved, o, lse, allowed)
         ctx.scale, ctx.cfg, ctx.p_seed, ctx.dt, ctx.in_dtype = scale, cfg, p_seed, dt, q.dtype
         return o.to(q.dtype)
@@ -209,16 +241,19 @@ class _FP4AttentionFn(torch.autograd.Function):
         a, b, c, o, lse, allowed = ctx.saved_tensors
         cfg, dt, scale = ctx.cfg, ctx.dt, ctx.scale
         do = do.to(dt)
-        if cfg.reuse:  # the forward's values: Q̂, K̂ along d, V̂ along keys, P̂ with its seed
+        # Reused: the forward's values (Q̂, K̂ along d, V̂ along keys, P̂ with its seed); else
+        # re-quantized from the unquantized tensor, along each GEMM's reduction dim.
+        if cfg.reuses("q"):
             qh = q_dk = a
-            kh = k_dq = b
-            v_dp = c
-        else:  # re-quantize from the unquantized tensors, along each GEMM's reduction dim
+        else:
             qh, q_dk = quantize_along(a, cfg.q, -1, dt), quantize_along(a, cfg.q, -2, dt)
+        if cfg.reuses("k"):
+            kh = k_dq = b
+        else:
             kh, k_dq = quantize_along(b, cfg.k, -1, dt), quantize_along(b, cfg.k, -2, dt)
-            v_dp = quantize_along(c, cfg.v, -1, dt)
+        v_dp = c if cfg.reuses("v") else quantize_along(c, cfg.v, -1, dt)
         p = _probs(_scores(qh, kh, scale, allowed), lse)
-        if cfg.reuse:
+        if cfg.reuses("p"):
             p_dv = quantize_along(p, cfg.p, -1, dt, ctx.p_seed)
         else:
             p_dv = quantize_along(p, cfg.p, -2, dt)
@@ -245,7 +280,7 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     backend: "torch" this module's reference; "triton" the flash kernels of
     fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
-    the default config and AttentionQuant(reuse=False) and/or (ds=None), with mask None,
+    the default config with any reuse and/or ds=None, with mask None,
     head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU tensors only under the
     Triton interpreter (TRITON_INTERPRET=1).
     """
@@ -269,8 +304,8 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
     if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
         # GQA heads indexed in-kernel
-        return _TritonAttentionFn.apply(q, k, v, causal, scale, config.reuse,
-                                        config.ds is not None)
+        reused = tuple(n for n in "qkv" if config.reuses(n))
+        return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config.ds is not None)
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
@@ -285,11 +320,11 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
     """Why the Triton kernels do not apply ("" when they do)."""
     from ..kernels import available
 
-    # The kernels compute the method's config and its two ablations (and both at once): the
-    # paper's specs, with reuse=False and/or ds=None. Other specs stay on the reference.
+    # The kernels compute the method's config and its ablations: the paper's specs, with any
+    # reuse and/or ds=None. Other specs stay on the reference.
     if config.ds not in (None, NVFP4_RNE) or \
             replace(config, reuse=True, ds=NVFP4_RNE) != AttentionQuant.paper():
-        return ("the kernels compute the default config, reuse=False and ds=None only, got "
+        return ("the kernels compute the default config, any reuse and ds=None only, got "
                 f"{config.describe()}")
     if mask is not None:
         return "the kernels take no mask (causal or none only)"
@@ -307,25 +342,26 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
 
 
 class _TritonAttentionFn(torch.autograd.Function):
-    """The flash kernels. reuse=True saves the forward's units of Q̂, K̂, V̂ (tensor reuse);
-    reuse=False saves the raw q, k, v instead, as the reference does, and the backward
-    re-quantizes them along each GEMM's reduction dim (attention.backward_operands): the same
-    saved memory as reuse=True, at the price of five quantize passes in the backward (cheap next
-    to attention; the backward then holds five units tensors while it runs, not three), rather
-    than computing them in the forward and saving five units tensors (two more than reuse=True)
-    for as long as the graph lives. Both save O, lse and the amaxes."""
+    """The flash kernels. For each of Q, K, V the forward saves its units if the backward
+    reuses it (tensor reuse), else the raw tensor, as the reference does, which the backward
+    re-quantizes along each GEMM's reduction dim (attention.backward_operands): the same saved
+    memory either way, at the price of up to five quantize passes in the backward (cheap next
+    to attention) rather than saving up to five units tensors for as long as the graph lives.
+    All save O, lse and the amaxes. reused: the names of q, k, v that the backward reuses."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, reuse: bool, quant_ds: bool):
+    def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
+                quant_ds: bool):
         from ..kernels import attention as kernel
 
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
         units = kernel.quantize_operands(q, k, v, amax, tiles["quant"])
         out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
-        ctx.save_for_backward(*(units if reuse else (q, k, v)), out, lse, amax)
+        saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
+        ctx.save_for_backward(*saved, out, lse, amax)
         ctx.causal, ctx.scale, ctx.tiles = causal, scale, tiles
-        ctx.reuse, ctx.quant_ds = reuse, quant_ds
+        ctx.reused, ctx.quant_ds = reused, quant_ds
         return out
 
     @staticmethod
@@ -336,11 +372,11 @@ class _TritonAttentionFn(torch.autograd.Function):
 
         a, b, c, out, lse, amax = ctx.saved_tensors
         alt = {}
-        if ctx.reuse:
+        if ctx.reused == ("q", "k", "v"):
             qu, ku, vu = a, b, c
-        else:  # Q̂, K̂ along d (S bit for bit), V̂ along d, Q̂ along queries, K̂ along keys
+        else:
             qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
-                a, b, c, amax, ctx.tiles["quant"])
+                a, b, c, amax, ctx.tiles["quant"], ctx.reused)
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
                                           quant_ds=ctx.quant_ds, **alt)

@@ -66,6 +66,7 @@ class LowRank:
 
 
 _NONE = QuantSpec.none()
+_LINEAR_OPERANDS = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Recipe:
 
     @property
     def quantizes(self) -> bool:
-        ops = (self.x, self.w, self.dy, self.w_dgrad, self.x_wgrad, self.dy_wgrad)
+        ops = [getattr(self, name) for name in _LINEAR_OPERANDS]
         return any(s is not None and s.format != "none" for s in ops)
 
     def with_(self, **changes) -> Recipe:
@@ -147,22 +148,27 @@ def _presets() -> dict[str, Recipe]:
     # Full-Stack FP4: lowrank linears, NVFP4 optimizer states, FP4 attention with reuse.
     fullstack = nvfp4.with_(name="fullstack", lowrank=LowRank(), optimizer_states="nvfp4",
                             attention=AttentionQuant.paper())
+    # NVIDIA's quantizers (arXiv 2509.25149): 2D weights, stochastic rounding of gradients, a
+    # 16-point random Hadamard transform on the wgrad operands; here on every block.
+    nvidia = Recipe(
+        "nvfp4-nvidia",
+        x=rne,
+        w=_nvfp4(block=(16, 16)),
+        dy=_nvfp4(rounding="stochastic"),
+        w_dgrad=None,  # 16x16 tiles: Q(W)ᵀ is Q(Wᵀ), so the forward's weight is reused
+        x_wgrad=_nvfp4(hadamard=True),
+        dy_wgrad=_nvfp4(hadamard=True, rounding="stochastic"),
+    )
+    fullstack_nvidia = fullstack.with_(
+        name="fullstack-nvidia", **{f: getattr(nvidia, f) for f in _LINEAR_OPERANDS})
     return {
         "bf16": Recipe("bf16"),
         "fp8": Recipe("fp8", x=fp8, w=fp8, dy=fp8, w_dgrad=fp8, x_wgrad=fp8, dy_wgrad=fp8),
         "nvfp4": nvfp4,
-        "nvfp4-nvidia": Recipe(
-            "nvfp4-nvidia",
-            x=rne,
-            w=_nvfp4(block=(16, 16)),
-            dy=_nvfp4(rounding="stochastic"),
-            w_dgrad=None,  # 16x16 tiles: Q(W)ᵀ is Q(Wᵀ), so the forward's weight is reused
-            x_wgrad=_nvfp4(hadamard=True),
-            dy_wgrad=_nvfp4(hadamard=True, rounding="stochastic"),
-            keep_first_blocks=1,
-            keep_last_blocks=1,
-        ),
+        # NVIDIA's recipe keeps some blocks in BF16 (here the first and the last).
+        "nvfp4-nvidia": nvidia.with_(keep_first_blocks=1, keep_last_blocks=1),
         "lowrank": nvfp4.with_(name="lowrank", lowrank=LowRank()),
+        "lowrank-nvidia": nvidia.with_(name="lowrank-nvidia", lowrank=LowRank()),
         "fullstack": fullstack,
         # The attention ablations: the backward re-quantizes Q, K, V instead of reusing the
         # forward's; dS kept in high precision.
@@ -170,6 +176,16 @@ def _presets() -> dict[str, Recipe]:
                                              attention=AttentionQuant(reuse=False)),
         "fullstack-ds-hp": fullstack.with_(name="fullstack-ds-hp",
                                            attention=AttentionQuant(ds=None)),
+        # The full stack on NVIDIA's linear quantizers (every GEMM still NVFP4), and the
+        # ablation of its attention's tensor reuse: none, and V̂ only or Q̂, K̂ only.
+        "fullstack-nvidia": fullstack_nvidia,
+        "fullstack-nvidia-noreuse": fullstack_nvidia.with_(name="fullstack-nvidia-noreuse",
+                                                           attention=AttentionQuant(reuse=False)),
+        # Which reuse matters: the forward's V̂ in dP only; its Q̂, K̂ in dK, dQ only.
+        "fullstack-nvidia-reuse-v": fullstack_nvidia.with_(
+            name="fullstack-nvidia-reuse-v", attention=AttentionQuant(reuse=("v",))),
+        "fullstack-nvidia-reuse-qk": fullstack_nvidia.with_(
+            name="fullstack-nvidia-reuse-qk", attention=AttentionQuant(reuse=("q", "k"))),
         "qat-w": Recipe("qat-w", w=rne),
         "w8a8": Recipe("w8a8", x=fp8, w=fp8),  # FP8 rollouts: 1x128 activations, 128 weights
         "w4a4": w4a4,
@@ -181,8 +197,10 @@ PRESETS: dict[str, Recipe] = _presets()
 
 
 def recipe(name: str) -> Recipe:
-    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, fullstack (and its attention
-    ablations fullstack-noreuse, fullstack-ds-hp), qat-w, w8a8, w4a4, w4a4-rc."""
+    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
+    its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
+    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk), qat-w, w8a8, w4a4, w4a4-rc. "-nvidia"
+    below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none in BF16)."""
     if isinstance(name, Recipe):
         return name
     if name not in PRESETS:

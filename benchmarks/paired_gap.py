@@ -1,0 +1,109 @@
+"""Paired comparison of two recipes over seeds: same seed, same data order, so the per-seed
+difference is free of the seed-to-seed noise that dominates single runs.
+
+For each pair A:B and every seed with a finished run of both (run directories <recipe>-s<seed>
+under the given comparison directories, as `fp4stack compare` writes them), prints the final
+validation losses, A's relative difference to B in % at the end, the same for the mean
+training loss over the last 100 steps, and a one-sided sign test (the chance that A ends worse
+at this many seeds or more if the order of the two were a coin flip). With --plot, draws A's
+difference to B at every evaluation, one line per seed.
+
+    python benchmarks/paired_gap.py runs/compare/small-fs3 runs/compare/small-nvidia \\
+        --pairs fullstack:fullstack-noreuse fullstack-nvidia:fullstack-nvidia-noreuse \\
+        --plot docs/attention_reuse_paired_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+
+from fp4stack.train.metrics import read_metrics
+
+
+def runs(dirs: list[Path]) -> dict[tuple[str, int], list[dict]]:
+    """(recipe, seed) -> metrics of every finished run (a result.json) under `dirs`."""
+    found = {}
+    for d in dirs:
+        for run in sorted(d.glob("*-s*")):
+            recipe, _, seed = run.name.rpartition("-s")
+            if seed.isdigit() and (run / "result.json").exists():
+                found.setdefault((recipe, int(seed)), read_metrics(run))
+    return found
+
+
+def val_curve(metrics: list[dict]) -> dict[int, float]:
+    return {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
+
+
+def late_train_loss(metrics: list[dict], window: int = 100) -> float:
+    """Mean training loss over the last `window` steps (the logged ones)."""
+    last = max(m["step"] for m in metrics if "loss" in m)
+    return statistics.fmean(m["loss"] for m in metrics
+                            if "loss" in m and m["step"] > last - window and not m.get("skipped"))
+
+
+def sign_test(worse: int, n: int) -> float:
+    """P(at least `worse` of n fair coin flips come up "worse")."""
+    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dirs", nargs="+", type=Path, help="comparison directories")
+    p.add_argument("--pairs", nargs="+", required=True, help="A:B recipe pairs (A against B)")
+    p.add_argument("--plot", type=Path, help="write the per-seed differences to this PNG")
+    args = p.parse_args()
+    found = runs(args.dirs)
+    print("| A | B | seed | A final val | B final val | A vs B, val | A vs B, train (last 100) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    curves, summary = [], []
+    for index, pair in enumerate(args.pairs):
+        a, sep, b = pair.partition(":")
+        if not sep:
+            raise SystemExit(f"--pairs takes A:B, got {pair!r}")
+        seeds = sorted(s for (r, s) in found if r == a and (b, s) in found)
+        if not seeds:
+            raise SystemExit(f"no seed with finished runs of both {a} and {b} in {args.dirs}")
+        diffs = []
+        for s in seeds:
+            ma, mb = found[(a, s)], found[(b, s)]
+            va, vb = val_curve(ma), val_curve(mb)
+            steps = sorted(set(va) & set(vb))
+            d_val = 100 * (va[steps[-1]] - vb[steps[-1]]) / vb[steps[-1]]
+            ta, tb = late_train_loss(ma), late_train_loss(mb)
+            diffs.append(d_val)
+            print(f"| {a} | {b} | {s} | {va[steps[-1]]:.4f} | {vb[steps[-1]]:.4f} | "
+                  f"{d_val:+.2f}% | {100 * (ta - tb) / tb:+.2f}% |")
+            curves.append((index, s, f"{a} vs {b}, seed {s}",
+                           [(t, 100 * (va[t] - vb[t]) / vb[t]) for t in steps]))
+        worse = sum(d > 0 for d in diffs)
+        summary.append(f"{a} worse than {b} at {worse} of {len(diffs)} seeds (mean "
+                       f"{statistics.fmean(diffs):+.2f}%); one-sided sign test p = "
+                       f"{sign_test(worse, len(diffs)):.4f}")
+    print("", *summary, sep="\n")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for index, seed, label, pts in curves:
+            ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=label,
+                    color=f"C{index % 10}", linestyle=("-", "--", ":", "-.")[seed % 4])
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss, A relative to B (%)")
+        ax.set_title("Paired by seed: above 0, A is worse")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"written: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -181,7 +181,6 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia": fullstack_nvidia,
         "fullstack-nvidia-noreuse": fullstack_nvidia.with_(name="fullstack-nvidia-noreuse",
                                                            attention=AttentionQuant(reuse=False)),
-        # Which reuse matters: the forward's V̂ in dP only; its Q̂, K̂ in dK, dQ only.
         "fullstack-nvidia-reuse-v": fullstack_nvidia.with_(
             name="fullstack-nvidia-reuse-v", attention=AttentionQuant(reuse=("v",))),
         "fullstack-nvidia-reuse-qk": fullstack_nvidia.with_(

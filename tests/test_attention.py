@@ -53,21 +53,29 @@ def fq(t, dim):
     return fake_quantize(x, spec=QuantSpec()).double().transpose(dim, -1)
 
 
-def reference(qkv, do, mask, reuse=True):
+def reference(qkv, do, mask, reuse=True, requantize=True):
     """The default config (Q, K, V, dS quantized) written out by hand, float64. reuse: True,
-    False or the names of q, k, v whose forward values the backward reuses."""
+    False or the names of q, k, v whose forward values the backward reuses; the others are
+    re-quantized along the backward GEMM's reduction dim, or taken unquantized."""
     reused = "qkv" if reuse is True else "" if reuse is False else reuse
     q, k, v = (t.detach().double() for t in qkv)
     do = do.double()
     scale = 1 / math.sqrt(q.shape[-1])
     qh, kh, vh = fq(q, -1), fq(k, -1), fq(v, -2)
-    p = ((qh @ kh.mT) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+    s = ((qh @ kh.mT) * scale).masked_fill(~mask, float("-inf"))
+    p, lse = s.softmax(-1), s.logsumexp(-1, keepdim=True)
     o = p @ vh
+
+    def backward_operand(name, t, hat, dim):
+        return hat if name in reused else fq(t, dim) if requantize else t
+
+    q_s, k_s = backward_operand("q", q, qh, -1), backward_operand("k", k, kh, -1)
+    p = (((q_s @ k_s.mT) * scale).masked_fill(~mask, float("-inf")) - lse).exp()
     dv = p.mT @ do
-    dp = do @ (vh if "v" in reused else fq(v, -1)).mT
+    dp = do @ backward_operand("v", v, vh, -1).mT
     ds = p * (dp - (do * o).sum(-1, keepdim=True))
-    dq = fq(ds, -1) @ (kh if "k" in reused else fq(k, -2)) * scale
-    dk = fq(ds, -2).mT @ (qh if "q" in reused else fq(q, -2)) * scale
+    dq = fq(ds, -1) @ backward_operand("k", k, kh, -2) * scale
+    dk = fq(ds, -2).mT @ backward_operand("q", q, qh, -2) * scale
     return o, dq, dk, dv
 
 
@@ -101,11 +109,14 @@ def test_off_decode_gqa_and_scale_match_sdpa():
 # ---- the default config against the reference ---------------------------------------------
 @pytest.mark.parametrize(("S", "L", "d"), [(1, 1, 16), (17, 17, 32), (33, 33, 64), (32, 32, 16),
                                            (7, 40, 32), (1, 19, 64)])
-@pytest.mark.parametrize("reuse", [True, False, ("v",), ("q", "k")])
-def test_default_matches_fake_quant_reference(S, L, d, reuse):
+@pytest.mark.parametrize("reuse, requantize", [(True, True), (False, True), (("v",), True),
+                                               (("q", "k"), True), (False, False),
+                                               (("v",), False)])
+def test_default_matches_fake_quant_reference(S, L, d, reuse, requantize):
     qkv, do = inputs(S=S, L=L, d=d, seed=S + L + d)
-    got = run(qkv, do, config=AttentionQuant(reuse=reuse))
-    assert_all_close(got, reference(qkv, do, causal_mask(S, L), reuse), **TIGHT)
+    got = run(qkv, do, config=AttentionQuant(reuse=reuse, requantize=requantize))
+    want = reference(qkv, do, causal_mask(S, L), reuse, requantize)
+    assert_all_close(got, want, **TIGHT)
 
 
 def test_padding_mask_matches_reference_and_empty_rows_give_zero():
@@ -262,6 +273,12 @@ def test_config_validation():
     assert partial.describe() == "quantized: q, k, v, ds; reuse=q,v"
     with pytest.raises(ValueError, match="not one of"):
         partial.reuses("ds")
+    with pytest.raises(ValueError, match="requantize=False.*set reuse=False"):
+        AttentionQuant(requantize=False)
+    with pytest.raises(TypeError, match="requantize"):
+        AttentionQuant(reuse=False, requantize=0)
+    assert AttentionQuant(reuse=False, requantize=False).describe() == (
+        "quantized: q, k, v, ds; reuse=False; the others unquantized in the backward")
     assert AttentionQuant(p=QuantSpec.none()).p is None
     assert not AttentionQuant.off().quantizes and AttentionQuant.paper() == AttentionQuant()
     assert AttentionQuant.paper().describe() == "quantized: q, k, v, ds; reuse=True"

@@ -327,7 +327,11 @@ NOREUSE, DS_HP = AttentionQuant(reuse=False), AttentionQuant(ds=None)
 BOTH = AttentionQuant(reuse=False, ds=None)
 # Partial reuse: the forward's V̂ in dP only; the forward's Q̂ and K̂ in dK and dQ only.
 REUSE_V, REUSE_QK = AttentionQuant(reuse=("v",)), AttentionQuant(reuse=("q", "k"))
-ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP, reuse_v=REUSE_V, reuse_qk=REUSE_QK)
+# The backward on the unquantized tensors it does not reuse (all of them; all but V̂).
+HP_BWD = AttentionQuant(reuse=False, requantize=False)
+HP_BWD_V = AttentionQuant(reuse=("v",), requantize=False)
+ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP, reuse_v=REUSE_V, reuse_qk=REUSE_QK,
+                 hp_bwd=HP_BWD, hp_bwd_v=HP_BWD_V)
 
 
 def test_backward_operands_bit_exact():
@@ -366,7 +370,8 @@ def test_ablation_backward_matches_reference(name, S, L, d, deterministic, causa
     assert_grads_close(got, grads(q, k, v, do, causal, "torch", config=cfg), **GRAD_TOL)
 
 
-@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH], ids=["noreuse", "ds_hp", "both"])
+@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH, HP_BWD_V],
+                         ids=["noreuse", "ds_hp", "both", "hp_bwd_v"])
 def test_ablation_gqa(cfg):
     """GQA through fp4_attention (K/V heads indexed in-kernel; the reference repeats them,
     which changes none of K's or V's blocks along either axis), causal, with a scale. Measured
@@ -413,14 +418,17 @@ def test_ds_hp_debug_operands():
         torch.testing.assert_close(raw[seen], want[seen], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cfg, rel", [(DS_HP, 1e-2), (BOTH, REL_BF16)], ids=["ds_hp", "both"])
+@pytest.mark.parametrize("cfg, rel", [(DS_HP, 1e-2), (BOTH, REL_BF16), (HP_BWD, 5e-2)],
+                         ids=["ds_hp", "both", "hp_bwd"])
 def test_ablation_bf16(cfg, rel):
     """bf16 inputs against the reference on the same bf16 values in fp32. ds=None: dS enters its
     dots rounded to bf16 (the reference keeps it fp32), P, O rounded as for the default config;
     no dŜ rounding boundary to cross, so it is closer than the default config (max abs /
     relative Frobenius error: dq 1.0e-2 / 4.3e-3, dk 1.9e-2 / 6.5e-3, dv 2.1e-2 / 5.9e-3, out
     8.9e-3 / 4.7e-3). Both ablations: dq 5.1e-2 / 8.3e-3, dk 6.1e-2 / 1.3e-2 (the default's dŜ
-    amax shifts apply); fp16 measured <= 3.6e-2 / 5.7e-3. |grad| up to ~3.6."""
+    amax shifts apply); fp16 measured <= 3.6e-2 / 5.7e-3. The backward on the unquantized Q,
+    K, V (HP_BWD): dq 2.6e-1 / 3.2e-2, dk 1.3e-1 / 2.2e-2, dv 2.5e-2 / 5.8e-3 (dŜ rounding
+    boundaries again). |grad| up to ~3.6."""
     q, k, v = draw(1, 4, 17, 21, 32, seed=13)
     k, v = k[:, :2], v[:, :2]
     do = draw(1, 4, 17, 1, 32, seed=14)[0]
@@ -435,10 +443,10 @@ def test_ablation_bf16(cfg, rel):
 
 
 def test_triton_configs():
-    """_triton_unsupported accepts the default config and its two ablations (and both at once);
+    """_triton_unsupported accepts the default config and its ablations (reuse, requantize, ds);
     any other spec or flag stays on the reference, and backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
-    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, REUSE_V, REUSE_QK):
+    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values()):
         assert attention._triton_unsupported(q, cfg, None) == "", cfg
     stochastic = QuantSpec(rounding="stochastic", nan_policy="propagate")
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),

@@ -372,14 +372,16 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     linear = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
     nvidia, fullstack = PRESETS["nvfp4-nvidia"], PRESETS["fullstack"]
     reuse = {"fullstack-nvidia": True, "fullstack-nvidia-noreuse": False,
-             "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k")}
+             "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k"),
+             "fullstack-nvidia-hp-backward": False}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
         assert all(getattr(r, f) == getattr(nvidia, f) for f in linear), name
         assert r.keep_first_blocks == r.keep_last_blocks == 0
         assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
-        assert r.attention == AttentionQuant(reuse=want), name
+        hp = name.endswith("hp-backward")
+        assert r.attention == AttentionQuant(reuse=want, requantize=not hp), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

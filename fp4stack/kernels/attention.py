@@ -342,6 +342,22 @@ def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str
     return qu, ku, vu, q_dk, k_dq
 
 
+def unquantized_operands(q, k, v, amax: torch.Tensor, reused: tuple[str, ...] = ()):
+    """requantize=False: the backward takes each of q, k, v it does not reuse unquantized, as
+    its own units with a decode factor of exactly 1 (its amax set to 6 * 448: amax / (6 * 448)
+    is exactly 1 in fp32); the ones in `reused` are the forward's units. Returns
+    backward_operands' five operands and the amaxes to decode them with."""
+    amax = amax.clone()
+    ops = []
+    for i, (name, t) in enumerate(zip("qkv", (q, k, v), strict=True)):
+        if name not in reused:
+            t = t.contiguous()
+            amax[i] = 6.0 * SCALE_MAX
+        ops.append(t)
+    qu, ku, vu = ops
+    return qu, ku, vu, qu, ku, amax
+
+
 def forward_units(qu, ku, vu, amax, causal: bool, scale: float, tile: Tile):
     """(out, lse) from the units of quantize_operands; out is contiguous, in the units' dtype."""
     B, H, S, D = qu.shape

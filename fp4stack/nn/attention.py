@@ -85,6 +85,10 @@ class AttentionQuant:
     of which reuse matters: "q" Q̂ (blocks along d) in dK = dŜᵀ Q̂, "k" K̂ in dQ = dŜ K̂, "v" V̂
     (blocks along keys) in dP = dO V̂ᵀ, "p" P̂ in dV; each one not reused is re-quantized along
     its GEMM's reduction dim. S is recomputed from Q̂, K̂ along d either way (the same bits).
+    requantize: what the backward does with a tensor it does not reuse: True re-quantizes it
+    along each GEMM's reduction dim; False takes it unquantized, a high-precision backward for
+    it (with Q and K, S is then recomputed from the unquantized tensors against the forward's
+    log-sum-exp: the naive scheme Attn-QAT reports unstable).
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -94,6 +98,7 @@ class AttentionQuant:
     ds: QuantSpec | None = NVFP4_RNE
     dp: QuantSpec | None = None
     reuse: bool | tuple[str, ...] = True
+    requantize: bool = True
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -106,6 +111,12 @@ class AttentionQuant:
             elif spec is not None and spec.format == "nvfp4":
                 _check_nvfp4(name, spec)
         object.__setattr__(self, "reuse", _normalized_reuse(self.reuse))
+        if not isinstance(self.requantize, bool):
+            raise TypeError(f"AttentionQuant.requantize must be a bool, got {self.requantize!r}")
+        if not self.requantize and self.reuse is True:
+            raise ValueError("AttentionQuant.requantize=False changes the tensors the backward "
+                             "does not reuse, and reuse=True reuses them all: set reuse=False "
+                             "(or a tuple of the tensors to reuse)")
 
     def reuses(self, name: str) -> bool:
         """Whether the backward reuses the forward's quantized `name` (one of q, k, v, p)."""
@@ -139,7 +150,8 @@ class AttentionQuant:
     def describe(self) -> str:
         on = [name for name in _FLAGS if getattr(self, name) is not None]
         reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
-        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}"
+        fresh = "" if self.requantize else "; the others unquantized in the backward"
+        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{fresh}"
 
 
 def _normalized_reuse(reuse) -> bool | tuple[str, ...]:
@@ -242,21 +254,25 @@ class _FP4AttentionFn(torch.autograd.Function):
         cfg, dt, scale = ctx.cfg, ctx.dt, ctx.scale
         do = do.to(dt)
         # Reused: the forward's values (Q̂, K̂ along d, V̂ along keys, P̂ with its seed); else
-        # re-quantized from the unquantized tensor, along each GEMM's reduction dim.
+        # re-quantized from the unquantized tensor along each GEMM's reduction dim, or (not
+        # requantize) the unquantized tensor itself.
+        def fresh(t: Tensor, spec: QuantSpec | None, dim: int) -> Tensor:
+            return quantize_along(t, spec if cfg.requantize else None, dim, dt)
+
         if cfg.reuses("q"):
             qh = q_dk = a
         else:
-            qh, q_dk = quantize_along(a, cfg.q, -1, dt), quantize_along(a, cfg.q, -2, dt)
+            qh, q_dk = fresh(a, cfg.q, -1), fresh(a, cfg.q, -2)
         if cfg.reuses("k"):
             kh = k_dq = b
         else:
-            kh, k_dq = quantize_along(b, cfg.k, -1, dt), quantize_along(b, cfg.k, -2, dt)
-        v_dp = c if cfg.reuses("v") else quantize_along(c, cfg.v, -1, dt)
+            kh, k_dq = fresh(b, cfg.k, -1), fresh(b, cfg.k, -2)
+        v_dp = c if cfg.reuses("v") else fresh(c, cfg.v, -1)
         p = _probs(_scores(qh, kh, scale, allowed), lse)
         if cfg.reuses("p"):
             p_dv = quantize_along(p, cfg.p, -1, dt, ctx.p_seed)
         else:
-            p_dv = quantize_along(p, cfg.p, -2, dt)
+            p_dv = fresh(p, cfg.p, -2)
         dv = p_dv.transpose(-2, -1) @ do
         dp = quantize_along(do, cfg.dp, -1, dt) @ v_dp.transpose(-2, -1)
         ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
@@ -305,7 +321,8 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
         # GQA heads indexed in-kernel
         reused = tuple(n for n in "qkv" if config.reuses(n))
-        return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config.ds is not None)
+        return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config.requantize,
+                                        config.ds is not None)
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
@@ -322,8 +339,8 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
 
     # The kernels compute the method's config and its ablations: the paper's specs, with any
     # reuse and/or ds=None. Other specs stay on the reference.
-    if config.ds not in (None, NVFP4_RNE) or \
-            replace(config, reuse=True, ds=NVFP4_RNE) != AttentionQuant.paper():
+    if config.ds not in (None, NVFP4_RNE) or replace(
+            config, reuse=True, requantize=True, ds=NVFP4_RNE) != AttentionQuant.paper():
         return ("the kernels compute the default config, any reuse and ds=None only, got "
                 f"{config.describe()}")
     if mask is not None:
@@ -347,11 +364,12 @@ class _TritonAttentionFn(torch.autograd.Function):
     re-quantizes along each GEMM's reduction dim (attention.backward_operands): the same saved
     memory either way, at the price of up to five quantize passes in the backward (cheap next
     to attention) rather than saving up to five units tensors for as long as the graph lives.
-    All save O, lse and the amaxes. reused: the names of q, k, v that the backward reuses."""
+    All save O, lse and the amaxes. reused: the names of q, k, v that the backward reuses;
+    requantize False: it takes the others unquantized (attention.unquantized_operands)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
-                quant_ds: bool):
+                requantize: bool, quant_ds: bool):
         from ..kernels import attention as kernel
 
         tiles = kernel.tiles_for(q, None)
@@ -361,7 +379,7 @@ class _TritonAttentionFn(torch.autograd.Function):
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
         ctx.save_for_backward(*saved, out, lse, amax)
         ctx.causal, ctx.scale, ctx.tiles = causal, scale, tiles
-        ctx.reused, ctx.quant_ds = reused, quant_ds
+        ctx.reused, ctx.requantize, ctx.quant_ds = reused, requantize, quant_ds
         return out
 
     @staticmethod
@@ -374,13 +392,16 @@ class _TritonAttentionFn(torch.autograd.Function):
         alt = {}
         if ctx.reused == ("q", "k", "v"):
             qu, ku, vu = a, b, c
-        else:
+        elif ctx.requantize:
             qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
                 a, b, c, amax, ctx.tiles["quant"], ctx.reused)
+        else:
+            qu, ku, vu, alt["q_dk"], alt["k_dq"], amax = kernel.unquantized_operands(
+                a, b, c, amax, ctx.reused)
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
                                           quant_ds=ctx.quant_ds, **alt)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

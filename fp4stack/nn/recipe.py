@@ -185,6 +185,10 @@ def _presets() -> dict[str, Recipe]:
             name="fullstack-nvidia-reuse-v", attention=AttentionQuant(reuse=("v",))),
         "fullstack-nvidia-reuse-qk": fullstack_nvidia.with_(
             name="fullstack-nvidia-reuse-qk", attention=AttentionQuant(reuse=("q", "k"))),
+        # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
+        "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
+            name="fullstack-nvidia-hp-backward",
+            attention=AttentionQuant(reuse=False, requantize=False)),
         "qat-w": Recipe("qat-w", w=rne),
         "w8a8": Recipe("w8a8", x=fp8, w=fp8),  # FP8 rollouts: 1x128 activations, 128 weights
         "w4a4": w4a4,
@@ -198,8 +202,9 @@ PRESETS: dict[str, Recipe] = _presets()
 def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
-    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk), qat-w, w8a8, w4a4, w4a4-rc. "-nvidia"
-    below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none in BF16)."""
+    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
+    "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
+    in BF16)."""
     if isinstance(name, Recipe):
         return name
     if name not in PRESETS:

@@ -360,7 +360,8 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
         config(data, tmp_path, optimizer="adam")
 
 
-@pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse"])
+@pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
+                                    "fullstack-nvidia-hp-backward"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])

@@ -21,9 +21,14 @@ GPT runs fp4_attention with a given setting and everything else is exact (float6
 gradient errors that are systematic add up in the weight gradients; those that vary from token
 to token and batch to batch partly cancel.
 
+With --kernels (CUDA, or CPU under TRITON_INTERPRET=1), a table of the Triton kernels on the
+real activations rounded to bf16, as training feeds them: their error against exact attention
+and against the float64 reference of the same setting (what the kernels add). --device cuda
+computes everything on the GPU (still float64).
+
     python benchmarks/study_attention_quantization.py \
         --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
-        --config configs/pretrain/tiny.yaml [--weight-grads 8]
+        --config configs/pretrain/tiny.yaml [--weight-grads 8] [--device cuda --kernels]
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ CONFIGS = {
     "Q, K, V; no reuse (dS high precision)": AttentionQuant(ds=None, reuse=False),
     "Q, K, V, dS; reuse V̂ only": AttentionQuant(reuse=("v",)),
     "Q, K, V, dS; reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
+    "Q, K, V, dS; high-precision backward": AttentionQuant(reuse=False, requantize=False),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
     "V only": AttentionQuant.only("v"),
@@ -57,13 +63,20 @@ CONFIGS = {
 }
 
 
-def capture(checkpoint: Path, config: str, batches: int) -> list[tuple[torch.Tensor, ...]]:
-    """(q, k, v, dO) in float64 at every attention block of the checkpoint's GPT, on the first
-    `batches` validation batches; K/V heads repeated to the query heads, as the block does."""
+def load_model(checkpoint: Path, config: str, device: str):
+    """The checkpoint's GPT on `device`, and the (train, val) data of its config."""
     cfg = load_config(config)
-    _, val = open_data(cfg)
+    train, val = open_data(cfg)
     model = GPT(cfg.model_config(val.vocab_size))
     model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    return cfg, train, val, model.to(device)
+
+
+def capture(checkpoint: Path, config: str, batches: int,
+            device: str = "cpu") -> list[tuple[torch.Tensor, ...]]:
+    """(q, k, v, dO) in float64 at every attention block of the checkpoint's GPT, on the first
+    `batches` validation batches; K/V heads repeated to the query heads, as the block does."""
+    cfg, _, val, model = load_model(checkpoint, config, device)
     seen: list[list] = []
 
     def recording(attend):
@@ -82,7 +95,7 @@ def capture(checkpoint: Path, config: str, batches: int) -> list[tuple[torch.Ten
     captured = []
     for x, y in val.val_batches(cfg.micro_batch_size, cfg.seq_len, batches):
         seen.clear()
-        _, loss = model(x, y)
+        _, loss = model(x.to(device), y.to(device))
         loss.backward()
         captured += [(q.double(), k.double(), v.double(), out.grad.double())
                      for q, k, v, out in seen]
@@ -134,22 +147,51 @@ def table(samples, title: str) -> None:
         rows = [errors(cfg, s, r) for s, r in zip(samples, refs, strict=True)]
         means = [f"{sum(col) / len(col):.2e}" for col in zip(*rows, strict=True)]
         means += ["-"] * (7 - len(means))
-        print(f"| {name} | " + " | ".join(means) + " |")
+        print(f"| {name} | " + " | ".join(means) + " |", flush=True)
+
+
+KERNEL_CONFIGS = {name: CONFIGS[name] for name in (
+    "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
+    "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
+    "Q, K, V, dS; reuse V̂ only", "Q, K, V, dS; reuse Q̂, K̂ only",
+    "Q, K, V, dS; high-precision backward")}
+
+
+def kernel_table(samples) -> None:
+    """The Triton kernels on the bf16-rounded samples (what training runs under autocast):
+    their error against exact attention, and against the float64 reference of the same config
+    on the same bf16 values (what the kernels add to the quantizers' error)."""
+    print(f"\nTriton kernels, bf16 inputs ({len(samples)} attention calls; relative error)\n")
+    print("| quantized | out vs exact | dq vs exact | dk vs exact | dv vs exact | "
+          "out vs reference | dq vs reference | dk vs reference | dv vs reference |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    bf16 = [tuple(t.to(torch.bfloat16) for t in s) for s in samples]
+    exacts = [exact(*(t.double() for t in s)) for s in bf16]
+    for name, cfg in KERNEL_CONFIGS.items():
+        rows = []
+        for s, want in zip(bf16, exacts, strict=True):
+            q, k, v = (t.detach().clone().requires_grad_() for t in s[:3])
+            out = fp4_attention(q, k, v, causal=True, config=cfg, backend="triton")
+            out.backward(s[3])
+            got = [t.double() for t in (out, q.grad, k.grad, v.grad)]
+            ref = run(cfg, *(t.double() for t in s))
+            rows.append([((a - b).norm() / b.norm()).item()
+                         for b_set in (want, ref) for a, b in zip(got, b_set, strict=True)])
+        means = [f"{sum(col) / len(col):.2e}" for col in zip(*rows, strict=True)]
+        print(f"| {name} | " + " | ".join(means) + " |", flush=True)
 
 
 WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
-    "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)")}
+    "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
+    "Q, K, V, dS; high-precision backward")}
 
 
-def weight_grads(checkpoint: Path, config: str, batches: int,
-                 attention: AttentionQuant) -> list[dict[str, torch.Tensor]]:
-    """Per training batch, the float64 gradients of every parameter of the checkpoint's GPT with
-    its attention blocks running fp4_attention(config=attention)."""
-    cfg = load_config(config)
-    train, val = open_data(cfg)
-    model = GPT(cfg.model_config(val.vocab_size))
-    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+def weight_grads(checkpoint: Path, config: str, batches: int, attention: AttentionQuant,
+                 device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """Per training batch (micro-batch sized), the float64 gradients of every parameter of the
+    checkpoint's GPT with its attention blocks running fp4_attention(config=attention)."""
+    cfg, train, _, model = load_model(checkpoint, config, device)
     model.double()
     for m in model.modules():
         if isinstance(m, Attention):
@@ -157,31 +199,39 @@ def weight_grads(checkpoint: Path, config: str, batches: int,
                 q, k, v, causal=mask is None, mask=mask, config=attention, backend="torch"))
     grads = []
     for step in range(batches):
-        x, y = train.train_batch(step, cfg.global_batch_size, cfg.seq_len, seed=cfg.seed)
+        x, y = train.train_batch(step, cfg.micro_batch_size, cfg.seq_len, seed=cfg.seed)
         model.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
+        _, loss = model(x.to(device), y.to(device))
         loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
     return grads
 
 
-def weight_grad_table(checkpoint: Path, config: str, batches: int) -> None:
+def weight_grad_table(checkpoint: Path, config: str, batches: int, device: str) -> None:
     """Relative error of the attention projections' weight gradients against exact attention's:
-    per batch (mean over batches), and of their sum over the batches."""
-    exact_grads = weight_grads(checkpoint, config, batches, AttentionQuant.off())
+    per batch (mean over batches), and of their sum over the batches; and for all parameters'
+    summed gradient, its cosine with exact attention's and its gain along it, <g, e> / <e, e>
+    (below 1: a step along g descends less than exact attention's would)."""
+    exact_grads = weight_grads(checkpoint, config, batches, AttentionQuant.off(), device)
     groups = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 
     def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         num = sum(((x - y) ** 2).sum() for x, y in zip(a, b, strict=True))
         return float((num / sum((y**2).sum() for y in b)).sqrt())
 
+    def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return float(sum((x * y).sum() for x, y in zip(a, b, strict=True)))
+
     print(f"\nWeight gradients of the attention projections ({batches} training batches; "
           "relative error against exact attention, all blocks together)\n")
     print("| quantized | " + " | ".join(f"W_{g} per batch | W_{g} summed" for g in
-                                          groups.values()) + " | all params summed |")
-    print("|---|" + "---:|" * (2 * len(groups) + 1))
+                                          groups.values()) +
+          " | all params summed | cosine | gain |")
+    print("|---|" + "---:|" * (2 * len(groups) + 3))
+    every = list(exact_grads[0])
+    want = [sum(e[n] for e in exact_grads) for n in every]
     for name, cfg in WEIGHT_GRAD_CONFIGS.items():
-        got = weight_grads(checkpoint, config, batches, cfg)
+        got = weight_grads(checkpoint, config, batches, cfg, device)
         cells = []
         for key in groups:
             names = [n for n in exact_grads[0] if key in n]
@@ -190,10 +240,11 @@ def weight_grad_table(checkpoint: Path, config: str, batches: int) -> None:
             summed = rel([sum(g[n] for g in got) for n in names],
                          [sum(e[n] for e in exact_grads) for n in names])
             cells += [f"{sum(per_batch) / len(per_batch):.2e}", f"{summed:.2e}"]
-        every = list(exact_grads[0])
-        total = rel([sum(g[n] for g in got) for n in every],
-                    [sum(e[n] for e in exact_grads) for n in every])
-        print(f"| {name} | " + " | ".join(cells) + f" | {total:.2e} |")
+        total = [sum(g[n] for g in got) for n in every]
+        cosine = dot(total, want) / (dot(total, total) * dot(want, want)) ** 0.5
+        gain = dot(total, want) / dot(want, want)
+        print(f"| {name} | " + " | ".join(cells) +
+              f" | {rel(total, want):.2e} | {cosine:.4f} | {gain:.4f} |", flush=True)
 
 
 def main() -> None:
@@ -205,14 +256,20 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=1, help="validation batches to capture")
     p.add_argument("--weight-grads", type=int, default=0, metavar="N",
                    help="also the weight-gradient table over N training batches")
+    p.add_argument("--device", default="cpu", help="where to compute (float64), e.g. cuda")
+    p.add_argument("--kernels", action="store_true",
+                   help="also the Triton kernels' table on the real activations (CUDA)")
     args = p.parse_args()
     torch.manual_seed(0)
-    real = capture(args.checkpoint, args.config, args.batches)
+    real = capture(args.checkpoint, args.config, args.batches, args.device)
     table(real, f"Real activations: {args.checkpoint}")
-    gauss = [tuple(torch.randn(t.shape, dtype=torch.float64) for t in s) for s in real]
+    if args.kernels:
+        kernel_table(real)
+    gauss = [tuple(torch.randn(t.shape, dtype=torch.float64, device=t.device) for t in s)
+             for s in real]
     table(gauss, "Unit Gaussian q, k, v, dO of the same shapes")
     if args.weight_grads:
-        weight_grad_table(args.checkpoint, args.config, args.weight_grads)
+        weight_grad_table(args.checkpoint, args.config, args.weight_grads, args.device)
 
 
 if __name__ == "__main__":

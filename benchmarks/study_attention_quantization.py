@@ -52,6 +52,7 @@ CONFIGS = {
     "Q, K, V; no reuse (dS high precision)": AttentionQuant(ds=None, reuse=False),
     "Q, K, V, dS; reuse V̂ only": AttentionQuant(reuse=("v",)),
     "Q, K, V, dS; reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
+    "Q, K, V, dS; reuse, re-blocked": AttentionQuant(reblock=True),
     "Q, K, V, dS; high-precision backward": AttentionQuant(reuse=False, requantize=False),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
@@ -154,7 +155,7 @@ KERNEL_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
     "Q, K, V, dS; reuse V̂ only", "Q, K, V, dS; reuse Q̂, K̂ only",
-    "Q, K, V, dS; high-precision backward")}
+    "Q, K, V, dS; reuse, re-blocked", "Q, K, V, dS; high-precision backward")}
 
 
 def kernel_table(samples) -> None:
@@ -184,7 +185,7 @@ def kernel_table(samples) -> None:
 WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
-    "Q, K, V, dS; high-precision backward")}
+    "Q, K, V, dS; reuse, re-blocked", "Q, K, V, dS; high-precision backward")}
 
 
 def weight_grads(checkpoint: Path, config: str, batches: int, attention: AttentionQuant,

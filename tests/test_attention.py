@@ -47,16 +47,19 @@ def causal_mask(S, L):
 
 
 # ---- an independent reference: fake_quantize plus the attention formulas, in float64 ----------
-def fq(t, dim):
-    """NVFP4 values of t quantized along `dim` (fp32 quantizer, fake_quantize's own padding)."""
+def fq(t, dim, amax=None):
+    """NVFP4 values of t quantized along `dim` (fp32 quantizer, fake_quantize's own padding),
+    with global amax `amax` (default: t's)."""
     x = t.transpose(dim, -1).float().contiguous()
-    return fake_quantize(x, spec=QuantSpec()).double().transpose(dim, -1)
+    return fake_quantize(x, spec=QuantSpec(), amax=amax).double().transpose(dim, -1)
 
 
-def reference(qkv, do, mask, reuse=True, requantize=True):
+def reference(qkv, do, mask, reuse=True, requantize=True, reblock=False):
     """The default config (Q, K, V, dS quantized) written out by hand, float64. reuse: True,
     False or the names of q, k, v whose forward values the backward reuses; the others are
-    re-quantized along the backward GEMM's reduction dim, or taken unquantized."""
+    re-quantized along the backward GEMM's reduction dim, or taken unquantized. reblock: a
+    reused value in a GEMM that reduces along another dim than its blocks is quantized again
+    along that dim, with the unquantized tensor's amax."""
     reused = "qkv" if reuse is True else "" if reuse is False else reuse
     q, k, v = (t.detach().double() for t in qkv)
     do = do.double()
@@ -67,7 +70,11 @@ def reference(qkv, do, mask, reuse=True, requantize=True):
     o = p @ vh
 
     def backward_operand(name, t, hat, dim):
-        return hat if name in reused else fq(t, dim) if requantize else t
+        if name in reused:
+            forward_dim = -2 if name == "v" else -1
+            return fq(hat, dim, t.float().abs().amax()) if reblock and dim != forward_dim \
+                else hat
+        return fq(t, dim) if requantize else t
 
     q_s, k_s = backward_operand("q", q, qh, -1), backward_operand("k", k, kh, -1)
     p = (((q_s @ k_s.mT) * scale).masked_fill(~mask, float("-inf")) - lse).exp()
@@ -109,14 +116,30 @@ def test_off_decode_gqa_and_scale_match_sdpa():
 # ---- the default config against the reference ---------------------------------------------
 @pytest.mark.parametrize(("S", "L", "d"), [(1, 1, 16), (17, 17, 32), (33, 33, 64), (32, 32, 16),
                                            (7, 40, 32), (1, 19, 64)])
-@pytest.mark.parametrize("reuse, requantize", [(True, True), (False, True), (("v",), True),
-                                               (("q", "k"), True), (False, False),
-                                               (("v",), False)])
-def test_default_matches_fake_quant_reference(S, L, d, reuse, requantize):
+@pytest.mark.parametrize("reuse, requantize, reblock", [
+    (True, True, False), (False, True, False), (("v",), True, False), (("q", "k"), True, False),
+    (False, False, False), (("v",), False, False), (True, True, True), (("v",), True, True),
+    (("q", "k"), False, True)])
+def test_default_matches_fake_quant_reference(S, L, d, reuse, requantize, reblock):
     qkv, do = inputs(S=S, L=L, d=d, seed=S + L + d)
-    got = run(qkv, do, config=AttentionQuant(reuse=reuse, requantize=requantize))
-    want = reference(qkv, do, causal_mask(S, L), reuse, requantize)
+    cfg = AttentionQuant(reuse=reuse, requantize=requantize, reblock=reblock)
+    got = run(qkv, do, config=cfg)
+    want = reference(qkv, do, causal_mask(S, L), reuse, requantize, reblock)
     assert_all_close(got, want, **TIGHT)
+
+
+def test_reblock_is_a_second_rounding_of_the_forward_values():
+    """Re-blocked reuse changes dq and dk against plain reuse and against no reuse (other
+    numbers from both), never the output or dv; and it stays closer to plain reuse's dq than no
+    reuse does, since it starts from the forward's values."""
+    qkv, do = inputs(S=48, d=32, seed=5)
+    reuse, reblock, fresh = (run(qkv, do, config=AttentionQuant(**kw)) for kw in (
+        {}, {"reblock": True}, {"reuse": False}))
+    assert torch.equal(reuse[0], reblock[0]) and torch.equal(reuse[3], reblock[3])
+    for i in (1, 2):
+        assert not torch.allclose(reblock[i], reuse[i], rtol=1e-3)
+        assert not torch.allclose(reblock[i], fresh[i], rtol=1e-3)
+    assert (reblock[1] - reuse[1]).norm() < (fresh[1] - reuse[1]).norm()
 
 
 def test_padding_mask_matches_reference_and_empty_rows_give_zero():
@@ -134,13 +157,13 @@ def test_padding_mask_matches_reference_and_empty_rows_give_zero():
 # ---- tensor reuse --------------------------------------------------------------------------
 @pytest.fixture
 def spy(monkeypatch):
-    """Records (input, spec, seed) of every quantization fp4_attention makes."""
+    """Records (input, spec, seed, amax) of every quantization fp4_attention makes."""
     calls = []
     real = attention.fake_quantize
 
-    def record(x, *, spec, seed=None):
-        calls.append((x.detach().clone(), spec, seed))
-        return real(x, spec=spec, seed=seed)
+    def record(x, *, spec, seed=None, amax=None):
+        calls.append((x.detach().clone(), spec, seed, amax))
+        return real(x, spec=spec, seed=seed, amax=amax)
 
     monkeypatch.setattr(attention, "fake_quantize", record)
     return calls
@@ -279,6 +302,12 @@ def test_config_validation():
         AttentionQuant(reuse=False, requantize=0)
     assert AttentionQuant(reuse=False, requantize=False).describe() == (
         "quantized: q, k, v, ds; reuse=False; the others unquantized in the backward")
+    with pytest.raises(ValueError, match="reblock=True.*set reuse=True"):
+        AttentionQuant(reuse=False, reblock=True)
+    with pytest.raises(TypeError, match="reblock"):
+        AttentionQuant(reblock=1)
+    assert AttentionQuant(reuse=("v",), reblock=True).describe() == (
+        "quantized: q, k, v, ds; reuse=v; reused values re-blocked")
     assert AttentionQuant(p=QuantSpec.none()).p is None
     assert not AttentionQuant.off().quantizes and AttentionQuant.paper() == AttentionQuant()
     assert AttentionQuant.paper().describe() == "quantized: q, k, v, ds; reuse=True"

@@ -330,8 +330,14 @@ REUSE_V, REUSE_QK = AttentionQuant(reuse=("v",)), AttentionQuant(reuse=("q", "k"
 # The backward on the unquantized tensors it does not reuse (all of them; all but V̂).
 HP_BWD = AttentionQuant(reuse=False, requantize=False)
 HP_BWD_V = AttentionQuant(reuse=("v",), requantize=False)
+# Re-blocked reuse: the forward's values quantized again along each backward GEMM's reduction
+# dim (all reused; V̂ only; Q̂, K̂ only with V unquantized in the backward).
+REBLOCK = AttentionQuant(reblock=True)
+REBLOCK_V = AttentionQuant(reuse=("v",), reblock=True)
+REBLOCK_QK_HP = AttentionQuant(reuse=("q", "k"), requantize=False, reblock=True)
 ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP, reuse_v=REUSE_V, reuse_qk=REUSE_QK,
-                 hp_bwd=HP_BWD, hp_bwd_v=HP_BWD_V)
+                 hp_bwd=HP_BWD, hp_bwd_v=HP_BWD_V, reblock=REBLOCK, reblock_v=REBLOCK_V,
+                 reblock_qk_hp=REBLOCK_QK_HP)
 
 
 def test_backward_operands_bit_exact():
@@ -352,6 +358,25 @@ def test_backward_operands_bit_exact():
     assert torch.equal(got[1], units[1]) and torch.equal(got[4], units[4])
 
 
+def test_reblocked_operands_bit_exact():
+    """reblock's units: the forward's V̂ (along keys) again along d, Q̂ and K̂ (along d) again
+    along the queries and keys, each at its tensor's forward amax, equal the reference's second
+    quantize_along of the forward's values bit for bit; names not reused pass through."""
+    q, k, v = draw(2, 2, 21, 37, 32, seed=29)
+    amax = fwd_kernels.amaxes(q, k, v)
+    tile = fwd_kernels.tiles_for(q, None)["quant"]
+    qu, ku, vu = fwd_kernels.quantize_operands(q, k, v, amax, tile)
+    got = fwd_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("q", "k", "v"))
+    dec = amax * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
+    want = [(fq_along(v, -2, amax[2]), 2, -1), (fq_along(q, -1, amax[0]), 0, -2),
+            (fq_along(k, -1, amax[1]), 1, -2)]
+    for u, (hat, i, dim) in zip(got, want, strict=True):
+        again = fq_along(hat, dim, amax[i])
+        assert torch.equal(u * dec[i], again) and not torch.equal(again, hat)
+    partial = fwd_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("v",))
+    assert partial[1] is qu and partial[2] is ku and torch.equal(partial[0], got[0])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("S, L, d, deterministic", [(17, 21, 16, False), (33, 33, 32, True)])
 @pytest.mark.parametrize("name", ABLATIONS)
@@ -370,8 +395,8 @@ def test_ablation_backward_matches_reference(name, S, L, d, deterministic, causa
     assert_grads_close(got, grads(q, k, v, do, causal, "torch", config=cfg), **GRAD_TOL)
 
 
-@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH, HP_BWD_V],
-                         ids=["noreuse", "ds_hp", "both", "hp_bwd_v"])
+@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH, HP_BWD_V, REBLOCK],
+                         ids=["noreuse", "ds_hp", "both", "hp_bwd_v", "reblock"])
 def test_ablation_gqa(cfg):
     """GQA through fp4_attention (K/V heads indexed in-kernel; the reference repeats them,
     which changes none of K's or V's blocks along either axis), causal, with a scale. Measured
@@ -418,8 +443,9 @@ def test_ds_hp_debug_operands():
         torch.testing.assert_close(raw[seen], want[seen], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cfg, rel", [(DS_HP, 1e-2), (BOTH, REL_BF16), (HP_BWD, 5e-2)],
-                         ids=["ds_hp", "both", "hp_bwd"])
+@pytest.mark.parametrize("cfg, rel", [(DS_HP, 1e-2), (BOTH, REL_BF16), (HP_BWD, 5e-2),
+                                      (REBLOCK, 5e-2)],
+                         ids=["ds_hp", "both", "hp_bwd", "reblock"])
 def test_ablation_bf16(cfg, rel):
     """bf16 inputs against the reference on the same bf16 values in fp32. ds=None: dS enters its
     dots rounded to bf16 (the reference keeps it fp32), P, O rounded as for the default config;
@@ -428,7 +454,8 @@ def test_ablation_bf16(cfg, rel):
     8.9e-3 / 4.7e-3). Both ablations: dq 5.1e-2 / 8.3e-3, dk 6.1e-2 / 1.3e-2 (the default's dŜ
     amax shifts apply); fp16 measured <= 3.6e-2 / 5.7e-3. The backward on the unquantized Q,
     K, V (HP_BWD): dq 2.6e-1 / 3.2e-2, dk 1.3e-1 / 2.2e-2, dv 2.5e-2 / 5.8e-3 (dŜ rounding
-    boundaries again). |grad| up to ~3.6."""
+    boundaries again). Re-blocked reuse (REBLOCK): dq 1.3e-1 / 2.7e-2, dk 1.5e-1 / 2.8e-2, dv
+    2.1e-2 / 5.9e-3, out as the default's. |grad| up to ~3.6."""
     q, k, v = draw(1, 4, 17, 21, 32, seed=13)
     k, v = k[:, :2], v[:, :2]
     do = draw(1, 4, 17, 1, 32, seed=14)[0]

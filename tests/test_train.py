@@ -361,7 +361,7 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
-                                    "fullstack-nvidia-hp-backward"])
+                                    "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -374,15 +374,15 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     nvidia, fullstack = PRESETS["nvfp4-nvidia"], PRESETS["fullstack"]
     reuse = {"fullstack-nvidia": True, "fullstack-nvidia-noreuse": False,
              "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k"),
-             "fullstack-nvidia-hp-backward": False}
+             "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
         assert all(getattr(r, f) == getattr(nvidia, f) for f in linear), name
         assert r.keep_first_blocks == r.keep_last_blocks == 0
         assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
-        hp = name.endswith("hp-backward")
-        assert r.attention == AttentionQuant(reuse=want, requantize=not hp), name
+        hp, reblock = name.endswith("hp-backward"), name.endswith("reblock")
+        assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

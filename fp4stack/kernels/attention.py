@@ -17,7 +17,8 @@ tiles every row of the query tile sees in full go through an unmasked loop; only
 units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized); for reuse=False, or a
 partial reuse, it gets backward_operands instead, the prologue's kernel run again on the raw
 tensors not reused, with the forward's amaxes: Q̂, K̂ along d (the forward's, bit for bit), V̂
-along d, Q̂ along the queries, K̂ along the keys.
+along d, Q̂ along the queries, K̂ along the keys. reblock=True re-quantizes the reused units
+along those same dims (reblocked_operands).
 
 fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P is rounded to it
 there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
@@ -340,6 +341,21 @@ def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str
     ku, k_dq = (k, k) if "k" in reused else (units(k, 1, 1), units(k, 1, 0))
     vu = v if "v" in reused else units(v, 2, 1)
     return qu, ku, vu, q_dk, k_dq
+
+
+def reblocked_operands(vu, q_dk, k_dq, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...]):
+    """reblock=True: the reused units of the backward's dP, dK and dQ operands (V̂ along keys,
+    Q̂ and K̂ along d) re-quantized along those GEMMs' reduction dims (V̂ along d, Q̂ along the
+    queries, K̂ along the keys) with the forward's amaxes: a second NVFP4 rounding of the
+    forward's values. The others pass through. Returns (vu, q_dk, k_dq)."""
+    def again(u, i, axis):
+        values = u.float() * (amax[i] * (1.0 / (SCALE_MAX * 6.0)))  # as quantized_operands
+        return quantize_units(values, amax[i:], axis, tile).to(u.dtype)
+
+    vu = again(vu, 2, 1) if "v" in reused else vu
+    q_dk = again(q_dk, 0, 0) if "q" in reused else q_dk
+    k_dq = again(k_dq, 1, 0) if "k" in reused else k_dq
+    return vu, q_dk, k_dq
 
 
 def unquantized_operands(q, k, v, amax: torch.Tensor, reused: tuple[str, ...] = ()):

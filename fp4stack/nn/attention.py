@@ -30,6 +30,10 @@ its GEMM's reduction dim: V along d for dP, K along keys for dQ, Q along queries
 queries for dV (and Q, K along d again to recompute S). The backward then differentiates slightly
 different numbers from the ones the forward used. reuse=("v",), ("q", "k") and so on reuse the
 named tensors only (AttentionQuant), to find out which reuse matters.
+reblock=True (with reuse): the reused values go into dP, dQ, dK (and dV for P̂) re-quantized
+along those GEMMs' reduction dims, with the forward's global amaxes: the forward's numbers in the
+blocks a native NVFP4 GEMM needs (reuse as such is only possible where the GEMM runs on
+dequantized operands, as in this emulation), at the price of a second rounding.
 
 Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
 saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
@@ -89,6 +93,11 @@ class AttentionQuant:
     along each GEMM's reduction dim; False takes it unquantized, a high-precision backward for
     it (with Q and K, S is then recomputed from the unquantized tensors against the forward's
     log-sum-exp: the naive scheme Attn-QAT reports unstable).
+    reblock: what the backward does with a tensor it reuses in a GEMM whose reduction dim its
+    blocks do not run along (Q̂ in dK, K̂ in dQ, V̂ in dP, P̂ in dV): False uses the forward's
+    values as they are; True re-quantizes those values along the GEMM's reduction dim with the
+    forward's global amax (double quantization), the form a native NVFP4 GEMM can take. S is
+    recomputed from the forward's Q̂, K̂ either way (already blocked along d, its reduction).
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -99,6 +108,7 @@ class AttentionQuant:
     dp: QuantSpec | None = None
     reuse: bool | tuple[str, ...] = True
     requantize: bool = True
+    reblock: bool = False
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -113,6 +123,12 @@ class AttentionQuant:
         object.__setattr__(self, "reuse", _normalized_reuse(self.reuse))
         if not isinstance(self.requantize, bool):
             raise TypeError(f"AttentionQuant.requantize must be a bool, got {self.requantize!r}")
+        if not isinstance(self.reblock, bool):
+            raise TypeError(f"AttentionQuant.reblock must be a bool, got {self.reblock!r}")
+        if self.reblock and self.reuse is False:
+            raise ValueError("AttentionQuant.reblock=True re-quantizes the tensors the backward "
+                             "reuses, and reuse=False reuses none: set reuse=True (or a tuple "
+                             "of the tensors to reuse)")
         if not self.requantize and self.reuse is True:
             raise ValueError("AttentionQuant.requantize=False changes the tensors the backward "
                              "does not reuse, and reuse=True reuses them all: set reuse=False "
@@ -151,7 +167,8 @@ class AttentionQuant:
         on = [name for name in _FLAGS if getattr(self, name) is not None]
         reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
         fresh = "" if self.requantize else "; the others unquantized in the backward"
-        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{fresh}"
+        reblock = "; reused values re-blocked" if self.reblock else ""
+        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}"
 
 
 def _normalized_reuse(reuse) -> bool | tuple[str, ...]:
@@ -183,11 +200,12 @@ def _check_nvfp4(name: str, spec: QuantSpec) -> None:
 
 
 def quantize_along(t: Tensor, spec: QuantSpec | None, dim: int, dtype: torch.dtype,
-                   seed: int | None = None) -> Tensor:
+                   seed: int | None = None, amax: Tensor | None = None) -> Tensor:
     """`t`'s values after `spec` quantizes it in blocks along `dim`, as `dtype`.
 
     Quantized in fp32 (NVFP4 values are exact there; a bf16 result would round them), with
-    `dim` zero-padded to whole blocks. spec None returns t as `dtype`.
+    `dim` zero-padded to whole blocks; amax: the global amax to scale with (default: t's).
+    spec None returns t as `dtype`.
     """
     if spec is None:
         return t.to(dtype)
@@ -196,7 +214,7 @@ def quantize_along(t: Tensor, spec: QuantSpec | None, dim: int, dtype: torch.dty
     if n % _BLOCK:
         x = F.pad(x, (0, -n % _BLOCK))
     seed = draw_seed() if seed is None and spec.rounding == "stochastic" else seed
-    y = fake_quantize(x.contiguous(), spec=spec, seed=seed)
+    y = fake_quantize(x.contiguous(), spec=spec, seed=seed, amax=amax)
     return y[..., :n].to(dtype).movedim(-1, dim)
 
 
@@ -244,33 +262,41 @@ class _FP4AttentionFn(torch.autograd.Function):
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
         saved = [hat if cfg.reuses(n) else raw
                  for n, hat, raw in (("q", qh, q), ("k", kh, k), ("v", vh, v))]
-        ctx.save_for_backward(*saved, o, lse, allowed)
+        # reblock: the unquantized tensors' global amaxes (the forward's scales) for the second
+        # quantization of the reused values
+        amax = torch.stack([t.float().abs().amax() for t in (q, k, v, p)]) if cfg.reblock \
+            else None
+        ctx.save_for_backward(*saved, o, lse, allowed, amax)
         ctx.scale, ctx.cfg, ctx.p_seed, ctx.dt, ctx.in_dtype = scale, cfg, p_seed, dt, q.dtype
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        a, b, c, o, lse, allowed = ctx.saved_tensors
+        a, b, c, o, lse, allowed, amax = ctx.saved_tensors
         cfg, dt, scale = ctx.cfg, ctx.dt, ctx.scale
         do = do.to(dt)
-        # Reused: the forward's values (Q̂, K̂ along d, V̂ along keys, P̂ with its seed); else
+        # Reused: the forward's values (Q̂, K̂ along d, V̂ along keys, P̂ with its seed), with
+        # reblock re-quantized along the GEMM's reduction dim at the forward's amax; else
         # re-quantized from the unquantized tensor along each GEMM's reduction dim, or (not
         # requantize) the unquantized tensor itself.
         def fresh(t: Tensor, spec: QuantSpec | None, dim: int) -> Tensor:
             return quantize_along(t, spec if cfg.requantize else None, dim, dt)
 
+        def reused(hat: Tensor, spec: QuantSpec | None, dim: int, i: int) -> Tensor:
+            return quantize_along(hat, spec, dim, dt, amax=amax[i]) if cfg.reblock else hat
+
         if cfg.reuses("q"):
-            qh = q_dk = a
+            qh, q_dk = a, reused(a, cfg.q, -2, 0)
         else:
             qh, q_dk = fresh(a, cfg.q, -1), fresh(a, cfg.q, -2)
         if cfg.reuses("k"):
-            kh = k_dq = b
+            kh, k_dq = b, reused(b, cfg.k, -2, 1)
         else:
             kh, k_dq = fresh(b, cfg.k, -1), fresh(b, cfg.k, -2)
-        v_dp = c if cfg.reuses("v") else fresh(c, cfg.v, -1)
+        v_dp = reused(c, cfg.v, -1, 2) if cfg.reuses("v") else fresh(c, cfg.v, -1)
         p = _probs(_scores(qh, kh, scale, allowed), lse)
         if cfg.reuses("p"):
-            p_dv = quantize_along(p, cfg.p, -1, dt, ctx.p_seed)
+            p_dv = reused(quantize_along(p, cfg.p, -1, dt, ctx.p_seed), cfg.p, -2, 3)
         else:
             p_dv = fresh(p, cfg.p, -2)
         dv = p_dv.transpose(-2, -1) @ do
@@ -322,7 +348,7 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
         # GQA heads indexed in-kernel
         reused = tuple(n for n in "qkv" if config.reuses(n))
         return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config.requantize,
-                                        config.ds is not None)
+                                        config.reblock, config.ds is not None)
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
@@ -340,7 +366,8 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
     # The kernels compute the method's config and its ablations: the paper's specs, with any
     # reuse and/or ds=None. Other specs stay on the reference.
     if config.ds not in (None, NVFP4_RNE) or replace(
-            config, reuse=True, requantize=True, ds=NVFP4_RNE) != AttentionQuant.paper():
+            config, reuse=True, requantize=True, reblock=False,
+            ds=NVFP4_RNE) != AttentionQuant.paper():
         return ("the kernels compute the default config, any reuse and ds=None only, got "
                 f"{config.describe()}")
     if mask is not None:
@@ -365,11 +392,13 @@ class _TritonAttentionFn(torch.autograd.Function):
     memory either way, at the price of up to five quantize passes in the backward (cheap next
     to attention) rather than saving up to five units tensors for as long as the graph lives.
     All save O, lse and the amaxes. reused: the names of q, k, v that the backward reuses;
-    requantize False: it takes the others unquantized (attention.unquantized_operands)."""
+    requantize False: it takes the others unquantized (attention.unquantized_operands);
+    reblock: the reused units are re-quantized along each GEMM's reduction dim
+    (attention.reblocked_operands)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
-                requantize: bool, quant_ds: bool):
+                requantize: bool, reblock: bool, quant_ds: bool):
         from ..kernels import attention as kernel
 
         tiles = kernel.tiles_for(q, None)
@@ -379,7 +408,8 @@ class _TritonAttentionFn(torch.autograd.Function):
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
         ctx.save_for_backward(*saved, out, lse, amax)
         ctx.causal, ctx.scale, ctx.tiles = causal, scale, tiles
-        ctx.reused, ctx.requantize, ctx.quant_ds = reused, requantize, quant_ds
+        ctx.reused, ctx.requantize, ctx.reblock, ctx.quant_ds = reused, requantize, reblock, \
+            quant_ds
         return out
 
     @staticmethod
@@ -390,7 +420,7 @@ class _TritonAttentionFn(torch.autograd.Function):
 
         a, b, c, out, lse, amax = ctx.saved_tensors
         alt = {}
-        if ctx.reused == ("q", "k", "v"):
+        if ctx.reused == ("q", "k", "v") and not ctx.reblock:
             qu, ku, vu = a, b, c
         elif ctx.requantize:
             qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
@@ -398,10 +428,14 @@ class _TritonAttentionFn(torch.autograd.Function):
         else:
             qu, ku, vu, alt["q_dk"], alt["k_dq"], amax = kernel.unquantized_operands(
                 a, b, c, amax, ctx.reused)
+        if ctx.reblock:  # unquantized_operands' amaxes change for the tensors not reused only
+            vu, alt["q_dk"], alt["k_dq"] = kernel.reblocked_operands(
+                vu, alt.get("q_dk", qu), alt.get("k_dq", ku), amax, ctx.tiles["quant"],
+                ctx.reused)
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
                                           quant_ds=ctx.quant_ds, **alt)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -185,6 +185,10 @@ def _presets() -> dict[str, Recipe]:
             name="fullstack-nvidia-reuse-v", attention=AttentionQuant(reuse=("v",))),
         "fullstack-nvidia-reuse-qk": fullstack_nvidia.with_(
             name="fullstack-nvidia-reuse-qk", attention=AttentionQuant(reuse=("q", "k"))),
+        # Reuse as a native NVFP4 GEMM can take it: the forward's Q̂, K̂, V̂ re-quantized along
+        # each backward GEMM's reduction dim (a second rounding).
+        "fullstack-nvidia-reblock": fullstack_nvidia.with_(
+            name="fullstack-nvidia-reblock", attention=AttentionQuant(reblock=True)),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -202,7 +206,8 @@ PRESETS: dict[str, Recipe] = _presets()
 def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
-    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
+    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -hp-backward), qat-w, w8a8, w4a4,
+    w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""
     if isinstance(name, Recipe):

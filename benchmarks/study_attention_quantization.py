@@ -29,6 +29,7 @@ computes everything on the GPU (still float64).
     python benchmarks/study_attention_quantization.py \
         --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
         --config configs/pretrain/tiny.yaml [--weight-grads 8] [--device cuda --kernels]
+    python benchmarks/study_attention_quantization.py --model smollm2 --tokens 512
 """
 
 from __future__ import annotations
@@ -103,6 +104,35 @@ def capture(checkpoint: Path, config: str, batches: int,
     return captured
 
 
+def capture_hf(name: str, tokens: int, device: str = "cpu") -> list[tuple[torch.Tensor, ...]]:
+    """(q, k, v, dO) in float64 at every attention layer of a pretrained Hugging Face causal LM
+    (`fp4stack analyze`'s models: smollm2, or a model directory) on `tokens` tokens of real
+    text, dO from its LM loss: q and k after RoPE, as the model's attention function gets them,
+    K/V heads repeated to the query heads. The scores are recomputed at the default 1/sqrt(d)."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    from fp4stack.analysis.sample_models import load, text_batch
+
+    lm = load(name)
+    model = lm.model.to(device).eval()
+    seen: list[list] = []
+
+    def attend_and_record(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        rep = query.shape[1] // key.shape[1]
+        key, value = (t.repeat_interleave(rep, dim=1) for t in (key, value))
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        out.retain_grad()
+        seen.append([query.detach(), key.detach(), value.detach(), out])
+        return out.transpose(1, 2), None
+
+    AttentionInterface.register("fp4stack-record", attend_and_record)
+    model.set_attn_implementation("fp4stack-record")
+    ids = text_batch(tokens, lm.tokenizer, getattr(model.config, "vocab_size", None)).to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [(q.double(), k.double(), v.double(), out.grad.double()) for q, k, v, out in seen]
+
+
 def exact(q, k, v, do):
     """Output and gradients of causal attention with nothing quantized (float64)."""
     return run(AttentionQuant.off(), q, k, v, do)
@@ -138,9 +168,21 @@ def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
     return rel
 
 
+def flushed(samples) -> str:
+    """The share of Q's and K's nonzero elements NVFP4 rounds to zero, in 16-blocks along d
+    (as S = Q Kᵀ needs them) and along the sequence (as dK and dQ do)."""
+    def share(t, dim):
+        return ((quantize_along(t, NVFP4_RNE, dim, t.dtype) == 0) & (t != 0)).double().mean()
+
+    cells = [sum(share(s[i], dim) for s in samples) / len(samples)
+             for i in (0, 1) for dim in (-1, -2)]
+    return ("Rounded to zero: Q {:.1%} in blocks along d, {:.1%} along the sequence; "
+            "K {:.1%} and {:.1%}.").format(*cells)
+
+
 def table(samples, title: str) -> None:
     refs = [(exact(*s), own_forward(*s)) for s in samples]
-    print(f"\n{title} ({len(samples)} attention calls)\n")
+    print(f"\n{title} ({len(samples)} attention calls). {flushed(samples)}\n")
     print("| quantized | out vs exact | dq vs exact | dk vs exact | dv vs exact | "
           "dq vs own forward | dk vs own forward | dv vs own forward |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -250,8 +292,12 @@ def weight_grad_table(checkpoint: Path, config: str, batches: int, device: str) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", type=Path, required=True,
-                   help="a training checkpoint directory (model.safetensors)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path,
+                        help="a training checkpoint directory (model.safetensors)")
+    source.add_argument("--model", help="instead, a pretrained Hugging Face causal LM: smollm2 "
+                        "or a model directory (see fp4stack analyze)")
+    p.add_argument("--tokens", type=int, default=512, help="--model: tokens of real text")
     p.add_argument("--config", default="configs/pretrain/tiny.yaml",
                    help="the pretraining config the checkpoint was trained with")
     p.add_argument("--batches", type=int, default=1, help="validation batches to capture")
@@ -261,9 +307,14 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true",
                    help="also the Triton kernels' table on the real activations (CUDA)")
     args = p.parse_args()
+    if args.model and args.weight_grads:
+        p.error("--weight-grads needs --checkpoint (a GPT trained by fp4stack)")
     torch.manual_seed(0)
-    real = capture(args.checkpoint, args.config, args.batches, args.device)
-    table(real, f"Real activations: {args.checkpoint}")
+    if args.model:
+        real = capture_hf(args.model, args.tokens, args.device)
+    else:
+        real = capture(args.checkpoint, args.config, args.batches, args.device)
+    table(real, f"Real activations: {args.model or args.checkpoint}")
     if args.kernels:
         kernel_table(real)
     gauss = [tuple(torch.randn(t.shape, dtype=torch.float64, device=t.device) for t in s)

@@ -53,3 +53,22 @@ def test_kernel_table_adds_little_to_the_reference(capsys):
         # measured: at most 0.24 of the error against exact attention (bf16 rounding flips some
         # dŜ elements); the settings differ from one another by about half of it
         assert all(r < 0.3 * e for r, e in zip(vs_reference, vs_exact, strict=True)), row
+
+
+def test_capture_hf_records_every_layer_after_rope():
+    """--model: one (q, k, v, dO) per attention layer of a Hugging Face Llama, K/V heads
+    repeated to the query heads, dO the LM loss's gradient (nonzero), all float64."""
+    pytest.importorskip("transformers")
+    from fp4stack.analysis.sample_models import tiny_dense
+
+    config = tiny_dense().model.config
+    got = study.capture_hf("tiny-dense", tokens=40)
+    assert len(got) == config.num_hidden_layers
+    head_dim = config.hidden_size // config.num_attention_heads
+    for q, k, v, do in got:
+        assert q.shape == k.shape == v.shape == do.shape == (1, config.num_attention_heads, 40,
+                                                             head_dim)
+        assert q.dtype == torch.float64 and do.abs().sum() > 0
+    q, k, v, _ = got[0]
+    assert torch.equal(k[:, 0], k[:, 1]) and torch.equal(v[:, 2], v[:, 3])  # GQA repeats
+    assert not torch.equal(q[:, 0], q[:, 1])

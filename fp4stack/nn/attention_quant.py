@@ -1,0 +1,138 @@
+"""AttentionQuant: which tensors fp4_attention quantizes, and what its backward reuses.
+
+A frozen dataclass with one QuantSpec (or None) per attention tensor and the reuse flags, checked
+on construction so that a bad setting fails where it is written, naming the field. The maths is
+in fp4stack.nn.attention (the torch reference) and fp4stack.kernels.attention (the kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..formats.spec import QuantSpec
+
+_FLAGS = ("q", "k", "v", "p", "ds", "dp")
+# The forward tensors the backward can reuse (reuse=True: all, False: none, or a tuple of these).
+_REUSABLE = ("q", "k", "v", "p")
+# The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
+NVFP4_RNE = QuantSpec(nan_policy="propagate")
+
+
+@dataclass(frozen=True)
+class AttentionQuant:
+    """Which attention tensors are quantized (a QuantSpec each, None = high precision), and
+    whether the backward reuses the forward's quantized Q, K, V (see fp4stack.nn.attention).
+
+    The default is the method's: q, k, v and ds in NVFP4 1x16 RNE; p and dp high precision.
+    reuse: True (all of q, k, v, p), False (none), or a tuple of some of them, for the ablation
+    of which reuse matters: "q" Q̂ (blocks along d) in dK = dŜᵀ Q̂, "k" K̂ in dQ = dŜ K̂, "v" V̂
+    (blocks along keys) in dP = dO V̂ᵀ, "p" P̂ in dV; each one not reused is re-quantized along
+    its GEMM's reduction dim. S is recomputed from Q̂, K̂ along d either way (the same bits).
+    requantize: what the backward does with a tensor it does not reuse: True re-quantizes it
+    along each GEMM's reduction dim; False takes it unquantized, a high-precision backward for
+    it (with Q and K, S is then recomputed from the unquantized tensors against the forward's
+    log-sum-exp: the naive scheme Attn-QAT reports unstable).
+    reblock: what the backward does with a tensor it reuses in a GEMM whose reduction dim its
+    blocks do not run along (Q̂ in dK, K̂ in dQ, V̂ in dP, P̂ in dV): False uses the forward's
+    values as they are; True re-quantizes those values along the GEMM's reduction dim with the
+    forward's global amax (double quantization), the form a native NVFP4 GEMM can take. S is
+    recomputed from the forward's Q̂, K̂ either way (already blocked along d, its reduction).
+    """
+
+    q: QuantSpec | None = NVFP4_RNE
+    k: QuantSpec | None = NVFP4_RNE
+    v: QuantSpec | None = NVFP4_RNE
+    p: QuantSpec | None = None
+    ds: QuantSpec | None = NVFP4_RNE
+    dp: QuantSpec | None = None
+    reuse: bool | tuple[str, ...] = True
+    requantize: bool = True
+    reblock: bool = False
+
+    def __post_init__(self) -> None:
+        for name in _FLAGS:
+            spec = getattr(self, name)
+            if spec is not None and not isinstance(spec, QuantSpec):
+                raise TypeError(f"AttentionQuant.{name} must be a QuantSpec or None, "
+                                f"got {type(spec).__name__}")
+            if spec is not None and spec.format == "none":
+                object.__setattr__(self, name, None)  # one spelling of "not quantized"
+            elif spec is not None and spec.format == "nvfp4":
+                _check_nvfp4(name, spec)
+        object.__setattr__(self, "reuse", _normalized_reuse(self.reuse))
+        if not isinstance(self.requantize, bool):
+            raise TypeError(f"AttentionQuant.requantize must be a bool, got {self.requantize!r}")
+        if not isinstance(self.reblock, bool):
+            raise TypeError(f"AttentionQuant.reblock must be a bool, got {self.reblock!r}")
+        if self.reblock and self.reuse is False:
+            raise ValueError("AttentionQuant.reblock=True re-quantizes the tensors the backward "
+                             "reuses, and reuse=False reuses none: set reuse=True (or a tuple "
+                             "of the tensors to reuse)")
+        if not self.requantize and self.reuse is True:
+            raise ValueError("AttentionQuant.requantize=False changes the tensors the backward "
+                             "does not reuse, and reuse=True reuses them all: set reuse=False "
+                             "(or a tuple of the tensors to reuse)")
+
+    def reuses(self, name: str) -> bool:
+        """Whether the backward reuses the forward's quantized `name` (one of q, k, v, p)."""
+        if name not in _REUSABLE:
+            raise ValueError(f"AttentionQuant.reuses: {name!r} is not one of {_REUSABLE}")
+        return self.reuse is True or (self.reuse is not False and name in self.reuse)
+
+    @classmethod
+    def off(cls) -> AttentionQuant:
+        """Nothing quantized: exact attention (fp32 maths)."""
+        return cls(**{name: None for name in _FLAGS})
+
+    @classmethod
+    def paper(cls) -> AttentionQuant:
+        """Full-Stack FP4's attention: Q, K, V, dS in NVFP4 with tensor reuse (the default)."""
+        return cls()
+
+    @classmethod
+    def only(cls, *names: str, spec: QuantSpec = NVFP4_RNE, reuse: bool = True) -> AttentionQuant:
+        """Just the named tensors quantized with `spec`, e.g. only("q", "ds"), for ablations."""
+        unknown = sorted(set(names) - set(_FLAGS))
+        if unknown:
+            raise ValueError(f"AttentionQuant.only: unknown tensor(s) {unknown}; "
+                             f"choose from {_FLAGS}")
+        return cls(**{name: spec if name in names else None for name in _FLAGS}, reuse=reuse)
+
+    @property
+    def quantizes(self) -> bool:
+        return any(getattr(self, name) is not None for name in _FLAGS)
+
+    def describe(self) -> str:
+        on = [name for name in _FLAGS if getattr(self, name) is not None]
+        reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
+        fresh = "" if self.requantize else "; the others unquantized in the backward"
+        reblock = "; reused values re-blocked" if self.reblock else ""
+        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}"
+
+
+def _normalized_reuse(reuse) -> bool | tuple[str, ...]:
+    """True, False, or the reused names in _REUSABLE's order (all: True, none: False)."""
+    if isinstance(reuse, bool):
+        return reuse
+    if not isinstance(reuse, (tuple, list, set, frozenset)) or \
+            not all(isinstance(n, str) for n in reuse):
+        raise TypeError(f"AttentionQuant.reuse must be a bool or a tuple of names from "
+                        f"{_REUSABLE}, got {reuse!r}")
+    unknown = sorted(set(reuse) - set(_REUSABLE))
+    if unknown:
+        raise ValueError(f"AttentionQuant.reuse: unknown name(s) {unknown}; choose from "
+                         f"{_REUSABLE}")
+    names = tuple(n for n in _REUSABLE if n in reuse)
+    if names == _REUSABLE:
+        return True
+    return names or False
+
+
+def _check_nvfp4(name: str, spec: QuantSpec) -> None:
+    if spec.block != (1, 16):
+        raise ValueError(f"AttentionQuant.{name}: attention quantizes 1x16 blocks along each "
+                         f"GEMM's reduction dim, got block={spec.block}")
+    if spec.hadamard:
+        raise ValueError(f"AttentionQuant.{name}: hadamard=True is not supported: the values "
+                         "would stay in the transformed domain, which only cancels when both "
+                         "operands of one GEMM carry the same transform")

@@ -343,14 +343,19 @@ def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str
     return qu, ku, vu, q_dk, k_dq
 
 
+def unit_values(units: torch.Tensor, amax: torch.Tensor, i: int) -> torch.Tensor:
+    """The fp32 values of tensor i's units: units times its global decode factor amax[i] /
+    2688, multiplied as the quantize kernels do (so, bit for bit, the reference's values)."""
+    return units.float() * (amax[i] * (1.0 / (SCALE_MAX * 6.0)))
+
+
 def reblocked_operands(vu, q_dk, k_dq, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...]):
     """reblock=True: the reused units of the backward's dP, dK and dQ operands (V̂ along keys,
     Q̂ and K̂ along d) re-quantized along those GEMMs' reduction dims (V̂ along d, Q̂ along the
     queries, K̂ along the keys) with the forward's amaxes: a second NVFP4 rounding of the
     forward's values. The others pass through. Returns (vu, q_dk, k_dq)."""
     def again(u, i, axis):
-        values = u.float() * (amax[i] * (1.0 / (SCALE_MAX * 6.0)))  # as quantized_operands
-        return quantize_units(values, amax[i:], axis, tile).to(u.dtype)
+        return quantize_units(unit_values(u, amax, i), amax[i:], axis, tile).to(u.dtype)
 
     vu = again(vu, 2, 1) if "v" in reused else vu
     q_dk = again(q_dk, 0, 0) if "q" in reused else q_dk
@@ -423,5 +428,4 @@ def quantized_operands(
     tiles = tiles_for(q, tiles)
     amax = amaxes(q, k, v, q_amax, k_amax, v_amax)
     units = quantize_operands(q, k, v, amax, tiles["quant"])
-    dec = amax * (1.0 / (SCALE_MAX * 6.0))
-    return tuple(u.float() * dec[i] for i, u in enumerate(units))
+    return tuple(unit_values(u, amax, i) for i, u in enumerate(units))

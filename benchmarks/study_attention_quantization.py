@@ -145,10 +145,10 @@ def own_forward(q, k, v, do):
     return exact(qh, kh, vh, do)
 
 
-def run(cfg: AttentionQuant, q, k, v, do):
-    """(out, dq, dk, dv) of the torch reference of fp4_attention with `cfg`."""
+def run(cfg: AttentionQuant, q, k, v, do, backend: str = "torch"):
+    """(out, dq, dk, dv) of fp4_attention with `cfg`: the torch reference, or backend's."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fp4_attention(q, k, v, causal=True, config=cfg, backend="torch")
+    out = fp4_attention(q, k, v, causal=True, config=cfg, backend=backend)
     out.backward(do)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -213,10 +213,7 @@ def kernel_table(samples) -> None:
     for name, cfg in KERNEL_CONFIGS.items():
         rows = []
         for s, want in zip(bf16, exacts, strict=True):
-            q, k, v = (t.detach().clone().requires_grad_() for t in s[:3])
-            out = fp4_attention(q, k, v, causal=True, config=cfg, backend="triton")
-            out.backward(s[3])
-            got = [t.double() for t in (out, q.grad, k.grad, v.grad)]
+            got = [t.double() for t in run(cfg, *s, backend="triton")]
             ref = run(cfg, *(t.double() for t in s))
             rows.append([((a - b).norm() / b.norm()).item()
                          for b_set in (want, ref) for a, b in zip(got, b_set, strict=True)])

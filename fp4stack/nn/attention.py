@@ -138,10 +138,9 @@ class _FP4AttentionFn(torch.autograd.Function):
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
         saved = [hat if cfg.reuses(n) else raw
                  for n, hat, raw in (("q", qh, q), ("k", kh, k), ("v", vh, v))]
-        # reblock: the unquantized tensors' global amaxes (the forward's scales) for the second
+        # reblock: Q's, K's and V's global amaxes (the forward's scales) for the second
         # quantization of the reused values
-        amax = torch.stack([t.float().abs().amax() for t in (q, k, v, p)]) if cfg.reblock \
-            else None
+        amax = torch.stack([t.float().abs().amax() for t in (q, k, v)]) if cfg.reblock else None
         ctx.save_for_backward(*saved, o, lse, allowed, amax)
         ctx.scale, ctx.cfg, ctx.p_seed, ctx.dt, ctx.in_dtype = scale, cfg, p_seed, dt, q.dtype
         return o.to(q.dtype)
@@ -158,21 +157,23 @@ class _FP4AttentionFn(torch.autograd.Function):
         def fresh(t: Tensor, spec: QuantSpec | None, dim: int) -> Tensor:
             return quantize_along(t, spec if cfg.requantize else None, dim, dt)
 
-        def reused(hat: Tensor, spec: QuantSpec | None, dim: int, i: int) -> Tensor:
-            return quantize_along(hat, spec, dim, dt, amax=amax[i]) if cfg.reblock else hat
+        def reused(hat: Tensor, spec: QuantSpec | None, dim: int, amax: Tensor | None) -> Tensor:
+            return quantize_along(hat, spec, dim, dt, amax=amax) if cfg.reblock else hat
 
+        amax = (None, None, None) if amax is None else amax
         if cfg.reuses("q"):
-            qh, q_dk = a, reused(a, cfg.q, -2, 0)
+            qh, q_dk = a, reused(a, cfg.q, -2, amax[0])
         else:
             qh, q_dk = fresh(a, cfg.q, -1), fresh(a, cfg.q, -2)
         if cfg.reuses("k"):
-            kh, k_dq = b, reused(b, cfg.k, -2, 1)
+            kh, k_dq = b, reused(b, cfg.k, -2, amax[1])
         else:
             kh, k_dq = fresh(b, cfg.k, -1), fresh(b, cfg.k, -2)
-        v_dp = reused(c, cfg.v, -1, 2) if cfg.reuses("v") else fresh(c, cfg.v, -1)
+        v_dp = reused(c, cfg.v, -1, amax[2]) if cfg.reuses("v") else fresh(c, cfg.v, -1)
         p = _probs(_scores(qh, kh, scale, allowed), lse)
-        if cfg.reuses("p"):
-            p_dv = reused(quantize_along(p, cfg.p, -1, dt, ctx.p_seed), cfg.p, -2, 3)
+        if cfg.reuses("p"):  # P is recomputed bit for bit, so its amax is the forward's
+            p_amax = p.float().abs().amax() if cfg.reblock and cfg.p is not None else None
+            p_dv = reused(quantize_along(p, cfg.p, -1, dt, ctx.p_seed), cfg.p, -2, p_amax)
         else:
             p_dv = fresh(p, cfg.p, -2)
         dv = p_dv.transpose(-2, -1) @ do

@@ -6,7 +6,8 @@ under the given comparison directories, as `fp4stack compare` writes them), prin
 validation losses, A's relative difference to B in % at the end, the same for the mean
 training loss over the last 100 steps, and a one-sided sign test (the chance that A ends worse
 at this many seeds or more if the order of the two were a coin flip). With --plot, draws A's
-difference to B at every evaluation, one line per seed.
+difference to B at every evaluation: one line per pair, the mean over seeds, with the band
+from the lowest to the highest seed.
 
     python benchmarks/paired_gap.py runs/compare/small-fs3 runs/compare/small-nvidia \\
         --pairs fullstack:fullstack-noreuse fullstack-nvidia:fullstack-nvidia-noreuse \\
@@ -20,6 +21,7 @@ import math
 import statistics
 from pathlib import Path
 
+from fp4stack.train.compare import seed_band
 from fp4stack.train.metrics import read_metrics
 
 
@@ -60,14 +62,14 @@ def main() -> None:
     print("| A | B | seed | A final val | B final val | A vs B, val | A vs B, train (last 100) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     curves, summary = [], []
-    for index, pair in enumerate(args.pairs):
+    for pair in args.pairs:
         a, sep, b = pair.partition(":")
         if not sep:
             raise SystemExit(f"--pairs takes A:B, got {pair!r}")
         seeds = sorted(s for (r, s) in found if r == a and (b, s) in found)
         if not seeds:
             raise SystemExit(f"no seed with finished runs of both {a} and {b} in {args.dirs}")
-        diffs = []
+        diffs, per_seed = [], []
         for s in seeds:
             ma, mb = found[(a, s)], found[(b, s)]
             va, vb = val_curve(ma), val_curve(mb)
@@ -77,9 +79,9 @@ def main() -> None:
             diffs.append(d_val)
             print(f"| {a} | {b} | {s} | {va[steps[-1]]:.4f} | {vb[steps[-1]]:.4f} | "
                   f"{d_val:+.2f}% | {100 * (ta - tb) / tb:+.2f}% |")
-            curves.append((index, s, f"{a} vs {b}, seed {s}",
-                           [(t, 100 * (va[t] - vb[t]) / vb[t]) for t in steps]))
+            per_seed.append({t: (t, 100 * (va[t] - vb[t]) / vb[t]) for t in steps})
         worse = sum(d > 0 for d in diffs)
+        curves.append((f"{a} vs {b} ({worse} of {len(diffs)} seeds worse)", seed_band(per_seed)))
         summary.append(f"{a} worse than {b} at {worse} of {len(diffs)} seeds (mean "
                        f"{statistics.fmean(diffs):+.2f}%); one-sided sign test p = "
                        f"{sign_test(worse, len(diffs)):.4f}")
@@ -91,13 +93,15 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for index, seed, label, pts in curves:
-            ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=label,
-                    color=f"C{index % 10}", linestyle=("-", "--", ":", "-.")[seed % 4])
+        for index, (label, band) in enumerate(curves):
+            steps, mean, lo, hi = zip(*((t, m, lo, hi) for t, (_, m, lo, hi) in band.items()),
+                                      strict=True)
+            ax.plot(steps, mean, marker="o", markersize=3, label=label, color=f"C{index % 10}")
+            ax.fill_between(steps, lo, hi, color=f"C{index % 10}", alpha=0.12, linewidth=0)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss, A relative to B (%)")
-        ax.set_title("Paired by seed: above 0, A is worse")
+        ax.set_title("Paired by seed: mean and min..max over seeds; above 0, A is worse")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()

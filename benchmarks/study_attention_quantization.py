@@ -2,8 +2,9 @@
 AttentionQuant setting at a time, on real activations and on Gaussian ones.
 
 Inputs: the q, k, v each attention block of a trained GPT sees on validation text and the
-gradient of the LM loss at its output (dO), captured in float64 from a training checkpoint; and
-unit Gaussians of the same shapes. Every configuration runs the torch reference in float64, so
+gradient of the LM loss at its output (dO), captured in float64 from a training checkpoint (of
+any recipe: a quantized one loads as its master weights, every linear exact); and unit
+Gaussians of the same shapes. Every configuration runs the torch reference in float64, so
 the only errors are the quantizers'. Two yardsticks per gradient (relative Frobenius errors,
 averaged over the blocks):
 
@@ -65,12 +66,21 @@ CONFIGS = {
 }
 
 
+# What a quantized recipe's linears add to a checkpoint besides the master weights.
+RECIPE_STATE = ("lowrank_a", "lowrank_b", "weight_amax", "x_amax", "rc_channels")
+
+
 def load_model(checkpoint: Path, config: str, device: str):
-    """The checkpoint's GPT on `device`, and the (train, val) data of its config."""
+    """The checkpoint's GPT on `device`, and the (train, val) data of its config. A checkpoint
+    of a quantized recipe loads as its master weights in a plain GPT, every linear exact (the
+    low-rank branch only stands in for W - Q(W), which the exact linear already has), so that
+    attention is the only quantized part."""
     cfg = load_config(config)
     train, val = open_data(cfg)
     model = GPT(cfg.model_config(val.vocab_size))
-    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    state = load_file(str(checkpoint / "model.safetensors"))
+    model.load_state_dict({k: t for k, t in state.items()
+                           if k.rpartition(".")[2] not in RECIPE_STATE})
     return cfg, train, val, model.to(device)
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fp4stack.data import write_shard
-from fp4stack.train.compare import format_table, gaps, run_comparison
+from fp4stack.train.compare import format_table, gaps, run_comparison, seed_band
 from fp4stack.train.metrics import read_metrics
 
 VOCAB = 48
@@ -112,3 +112,15 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(setup, tmp_path):
     again = run_comparison(config, ["bf16"], out, ckpt_every=3)
     assert (run / "result.json").exists()
     assert again[0].val_loss == whole[0].val_loss
+
+
+def test_seed_band_spans_the_seeds_at_their_common_steps():
+    curves = [{10: (100.0, 3.0), 20: (200.0, 2.0), 30: (300.0, 1.5)},
+              {10: (100.0, 4.0), 20: (200.0, 1.0)},
+              {10: (100.0, 2.0), 20: (200.0, 3.0), 40: (400.0, 1.0)}]
+    band = seed_band(curves)
+    assert list(band) == [10, 20]                    # steps 30 and 40 miss a seed
+    assert band[10] == (100.0, 3.0, 2.0, 4.0)        # tokens, mean, min, max
+    assert band[20] == (200.0, 2.0, 1.0, 3.0)
+    assert seed_band([]) == {}
+    assert seed_band(curves[:1]) == {t: (x, y, y, y) for t, (x, y) in curves[0].items()}

@@ -72,3 +72,44 @@ def test_capture_hf_records_every_layer_after_rope():
     q, k, v, _ = got[0]
     assert torch.equal(k[:, 0], k[:, 1]) and torch.equal(v[:, 2], v[:, 3])  # GQA repeats
     assert not torch.equal(q[:, 0], q[:, 1])
+
+
+def test_a_quantized_recipes_checkpoint_loads_as_its_master_weights(tmp_path):
+    """--checkpoint of a low-rank recipe: the master weights in a plain GPT (the recipe's
+    low-rank factors dropped), and capture runs on it."""
+    import json
+
+    import numpy as np
+    import yaml
+    from safetensors.torch import save_file
+
+    from fp4stack import quantize_model
+    from fp4stack.data import write_shard
+    from fp4stack.models import GPT
+
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 32, 4000)
+    write_shard(data / "train.bin", tokens[:3000], 32)
+    write_shard(data / "val.bin", tokens[3000:], 32)
+    (data / "manifest.json").write_text(json.dumps({"vocab_size": 32}))
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(dict(
+        model={"preset": "tiny", "dim": 32, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1,
+               "ffn_hidden": 64}, data=str(data), seq_len=16, global_batch_size=2,
+        micro_batch_size=2, device="cpu")))
+    cfg = study.load_config(str(config))
+    trained = GPT(cfg.model_config(32))
+    quantize_model(trained, "fullstack-nvidia")
+    state = trained.state_dict()
+    assert any(k.endswith("lowrank_a") for k in state)
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    save_file({k: t.contiguous() for k, t in state.items()}, str(ckpt / "model.safetensors"))
+
+    *_, model = study.load_model(ckpt, str(config), "cpu")
+    loaded = model.state_dict()
+    assert loaded.keys() == {k for k in state if k.rpartition(".")[2] not in study.RECIPE_STATE}
+    assert all(torch.equal(loaded[k], state[k]) for k in loaded)
+    got = study.capture(ckpt, str(config), 1)
+    assert len(got) == 3 and all(t.dtype == torch.float64 for t in got[0])

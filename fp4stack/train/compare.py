@@ -129,49 +129,61 @@ def write_report(rows: list[RunRow], out: Path) -> None:
         plot_curves(rows, out / "compare.png")
 
 
+def seed_band(curves: list[dict[int, tuple[float, float]]]
+              ) -> dict[int, tuple[float, float, float, float]]:
+    """step -> (tokens, mean, min, max) over seeds, at each step every curve has; a curve maps
+    a step to (tokens, value)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    band = {}
+    for s in steps:
+        ys = [c[s][1] for c in curves]
+        band[s] = (statistics.fmean(c[s][0] for c in curves), statistics.fmean(ys),
+                   min(ys), max(ys))
+    return band
+
+
 def plot_curves(rows: list[RunRow], path: Path) -> None:
-    """Left: validation (markers) and training (thin) loss against tokens. Right: each run's
-    validation loss as a gap to the mean BF16 one at the same step, in % (where the recipes
-    differ; the BF16 seeds' own gaps show the noise). Colour: recipe; line style: seed."""
+    """Left: validation (markers) and training (thin) loss against tokens. Right: validation
+    loss as a gap to the mean BF16 one at the same step, in %. One colour per recipe: with
+    several seeds, the line is their mean and the shaded band spans their min..max (BF16's own
+    band is the noise floor)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 5))
-    colours = {recipe: f"C{i % 10}" for i, recipe in enumerate(_by_recipe(rows))}
-    styles = ("-", "--", ":", "-.")
-    seeds = sorted({r.seed for r in rows})
     metrics = {(r.recipe, r.seed): read_metrics(r.out) for r in rows}
     vals = {k: {m["step"]: (m["tokens"], m["val_loss"]) for m in ms if "val_loss" in m}
             for k, ms in metrics.items()}
-    base = [vals[(r.recipe, r.seed)] for r in rows if r.recipe == BASELINE]
-    common = set.intersection(*(set(v) for v in base)) if base else set()
-    base_mean = {s: statistics.fmean(v[s][1] for v in base) for s in common}
-    for r in rows:
-        key = (r.recipe, r.seed)
-        colour, style = colours[r.recipe], styles[seeds.index(r.seed) % len(styles)]
-        label = f"{r.recipe} (seed {r.seed})"
-        train = [(m["tokens"], m["loss"]) for m in metrics[key]
-                 if "loss" in m and not m.get("skipped")]
+    base = seed_band([vals[(r.recipe, r.seed)] for r in rows if r.recipe == BASELINE])
+    base_mean = {s: mean for s, (_, mean, _, _) in base.items()}
+    for i, (recipe, runs) in enumerate(_by_recipe(rows).items()):
+        colour = f"C{i % 10}"
+        label = (f"{recipe} (seed {runs[0].seed})" if len(runs) == 1
+                 else f"{recipe} ({len(runs)} seeds)")
+        train = seed_band([{m["step"]: (m["tokens"], m["loss"]) for m in metrics[(recipe, r.seed)]
+                            if "loss" in m and not m.get("skipped")} for r in runs])
         if train:
-            ax.plot(*zip(*train, strict=True), color=colour, alpha=0.35, linewidth=0.8)
-        points = sorted(vals[key].items())
-        if points:
-            ax.plot(*zip(*(p for _, p in points), strict=True), marker="o", linestyle=style,
-                    color=colour, label=label, markersize=3)
-        gap = [(t, 100.0 * (v - base_mean[s]) / base_mean[s]) for s, (t, v) in points
-               if s in base_mean]
-        if gap:
-            gx.plot(*zip(*gap, strict=True), marker="o", linestyle=style, color=colour,
-                    label=label, markersize=3)
+            ax.plot([t for t, *_ in train.values()], [y for _, y, _, _ in train.values()],
+                    color=colour, alpha=0.35, linewidth=0.8)
+        val = seed_band([vals[(recipe, r.seed)] for r in runs])
+        gap = {s: (t, *(100.0 * (y - base_mean[s]) / base_mean[s] for y in ys))
+               for s, (t, *ys) in val.items() if s in base_mean}
+        for a, band in ((ax, val), (gx, gap)):
+            if not band:
+                continue
+            t, mean, lo, hi = zip(*band.values(), strict=True)
+            a.plot(t, mean, marker="o", color=colour, label=label, markersize=3)
+            if len(runs) > 1:
+                a.fill_between(t, lo, hi, color=colour, alpha=0.15, linewidth=0)
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (thin: train, markers: validation)")
     ax.set_title("Pretraining loss by recipe (same data and tokens)")
     gx.axhline(0.0, color="black", linewidth=0.8)
     gx.set_xlabel("tokens")
     gx.set_ylabel("validation loss gap to mean BF16 (%)")
-    gx.set_title("Gap to BF16 at each evaluation")
+    gx.set_title("Gap to BF16 at each evaluation (band: min..max over seeds)")
     for a in (ax, gx):
         a.grid(alpha=0.3)
         a.legend(fontsize=8)

@@ -89,7 +89,8 @@ def sdpa_variants(causal: bool):
 
 
 def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
-    from fp4stack.nn.attention import fp4_attention
+    from fp4stack.nn.attention import AttentionQuant, fp4_attention
+    from fp4stack.nn.attention_quant import NVFP4_TILES
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -101,6 +102,9 @@ def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     cands = sdpa_variants(causal)[:1 if device == "cpu" else None]
     cands.append(("fp4 triton" + tiles_label,
                   lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton")))
+    tiled = AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES, v=NVFP4_TILES)
+    cands.append(("fp4 triton, Q/K/V in 16x16 tiles" + tiles_label,
+                  lambda q, k, v: fp4_attention(q, k, v, causal, tiled, backend="triton")))
     if with_reference:
         cands.append(("fp4 torch reference",
                       lambda q, k, v: fp4_attention(q, k, v, causal, backend="torch")))
@@ -177,8 +181,9 @@ FP32_PTRS = ("lse_ptr", "amax_ptr", "delta_ptr", "partial_ptr", "dbg_ptr")
 
 
 def compile_check() -> list[str]:
-    """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles; the backward also in
-    the variants of the ablations reuse=False and ds=None) without a GPU; report ptxas's
+    """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles; the prologue in its
+    three block shapes; the backward also in the variants of the ablations reuse=False and
+    ds=None) without a GPU; report ptxas's
     registers and spills when a ptxas that reads Triton's PTX is at hand."""
     import triton.language as tl
 
@@ -197,6 +202,8 @@ def compile_check() -> list[str]:
              dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=1, SCALE_MAX=448.0)),
             ("quant key-blocks", fa.quantize_units_kernel, tiles["quant"],
              dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=0, SCALE_MAX=448.0)),
+            ("quant 16x16 tiles", fa.quantize_units_kernel, tiles["quant"],
+             dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=2, SCALE_MAX=448.0)),
             ("fwd", fa.attention_fwd_kernel, tiles["fwd"], dict(D=d, CAUSAL=True, **mma)),
             ("delta", ba.delta_kernel, fa.Tile(64, 64, 4, 1), dict(D=d, BLOCK=64)),
             ("amax", ba.query_kernel, tiles["amax"], dict(DQ=False, **bwd)),

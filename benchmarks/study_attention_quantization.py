@@ -44,6 +44,7 @@ from safetensors.torch import load_file
 from fp4stack.models import GPT
 from fp4stack.models.gpt import Attention
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention, quantize_along
+from fp4stack.nn.attention_quant import NVFP4_TILES
 from fp4stack.train.config import load_config
 from fp4stack.train.trainer import open_data
 
@@ -55,6 +56,8 @@ CONFIGS = {
     "Q, K, V, dS; reuse V̂ only": AttentionQuant(reuse=("v",)),
     "Q, K, V, dS; reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
     "Q, K, V, dS; reuse, re-blocked": AttentionQuant(reblock=True),
+    "Q, K, V in 16x16 tiles, dS; reuse": AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES,
+                                                         v=NVFP4_TILES),
     "Q, K, V, dS; high-precision backward": AttentionQuant(reuse=False, requantize=False),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
@@ -148,10 +151,12 @@ def exact(q, k, v, do):
     return run(AttentionQuant.off(), q, k, v, do)
 
 
-def own_forward(q, k, v, do):
-    """Exact gradients of attention at the forward's quantized operands (what reuse keeps)."""
-    qh, kh = (quantize_along(t, NVFP4_RNE, -1, torch.float64) for t in (q, k))
-    vh = quantize_along(v, NVFP4_RNE, -2, torch.float64)
+def own_forward(q, k, v, do, cfg: AttentionQuant | None = None):
+    """Exact gradients of attention at the forward's quantized operands (what reuse keeps):
+    Q̂, K̂ along d and V̂ along keys with cfg's specs (default: the method's)."""
+    cfg = cfg or AttentionQuant.paper()
+    qh, kh = (quantize_along(t, spec, -1, torch.float64) for t, spec in ((q, cfg.q), (k, cfg.k)))
+    vh = quantize_along(v, cfg.v, -2, torch.float64)
     return exact(qh, kh, vh, do)
 
 
@@ -170,24 +175,28 @@ def has_own_forward(cfg: AttentionQuant) -> bool:
 
 
 def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
+    """Relative errors of cfg's (out, dq, dk, dv) against refs[0] (exact attention) and, where
+    defined, of (dq, dk, dv) against the own forward: refs[1] (the method's specs), or
+    computed here for other specs of Q, K, V (16x16 tiles)."""
     got = run(cfg, *sample)
     rel = [((a - b).norm() / b.norm()).item() for a, b in zip(got, refs[0], strict=True)]
     if has_own_forward(cfg):
+        own = refs[1] if (cfg.q, cfg.k, cfg.v) == (NVFP4_RNE,) * 3 else own_forward(*sample, cfg)
         rel += [((a - b).norm() / b.norm()).item()
-                for a, b in zip(got[1:], refs[1][1:], strict=True)]
+                for a, b in zip(got[1:], own[1:], strict=True)]
     return rel
 
 
 def flushed(samples) -> str:
     """The share of Q's and K's nonzero elements NVFP4 rounds to zero, in 16-blocks along d
-    (as S = Q Kᵀ needs them) and along the sequence (as dK and dQ do)."""
-    def share(t, dim):
-        return ((quantize_along(t, NVFP4_RNE, dim, t.dtype) == 0) & (t != 0)).double().mean()
+    (as S = Q Kᵀ needs them), along the sequence (as dK and dQ do) and in 16x16 tiles."""
+    def share(t, spec, dim):
+        return ((quantize_along(t, spec, dim, t.dtype) == 0) & (t != 0)).double().mean()
 
-    cells = [sum(share(s[i], dim) for s in samples) / len(samples)
-             for i in (0, 1) for dim in (-1, -2)]
-    return ("Rounded to zero: Q {:.1%} in blocks along d, {:.1%} along the sequence; "
-            "K {:.1%} and {:.1%}.").format(*cells)
+    cells = [sum(share(s[i], spec, dim) for s in samples) / len(samples) for i in (0, 1)
+             for spec, dim in ((NVFP4_RNE, -1), (NVFP4_RNE, -2), (NVFP4_TILES, -1))]
+    return ("Rounded to zero: Q {:.1%} in blocks along d, {:.1%} along the sequence, {:.1%} in "
+            "16x16 tiles; K {:.1%}, {:.1%} and {:.1%}.").format(*cells)
 
 
 def table(samples, title: str) -> None:
@@ -207,7 +216,8 @@ KERNEL_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
     "Q, K, V, dS; reuse V̂ only", "Q, K, V, dS; reuse Q̂, K̂ only",
-    "Q, K, V, dS; reuse, re-blocked", "Q, K, V, dS; high-precision backward")}
+    "Q, K, V, dS; reuse, re-blocked", "Q, K, V in 16x16 tiles, dS; reuse",
+    "Q, K, V, dS; high-precision backward")}
 
 
 def kernel_table(samples) -> None:
@@ -234,7 +244,8 @@ def kernel_table(samples) -> None:
 WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
-    "Q, K, V, dS; reuse, re-blocked", "Q, K, V, dS; high-precision backward")}
+    "Q, K, V, dS; reuse, re-blocked", "Q, K, V in 16x16 tiles, dS; reuse",
+    "Q, K, V, dS; high-precision backward")}
 
 
 def weight_grads(checkpoint: Path, config: str, batches: int, attention: AttentionQuant,

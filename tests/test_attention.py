@@ -142,6 +142,47 @@ def test_reblock_is_a_second_rounding_of_the_forward_values():
     assert (reblock[1] - reuse[1]).norm() < (fresh[1] - reuse[1]).norm()
 
 
+# ---- Q, K, V in 16x16 tiles -----------------------------------------------------------------
+def fq_tiles(t):
+    """NVFP4 values of t in 16x16 tiles over its last two dims, both zero-padded to 16s."""
+    x = t.float()
+    rows, cols = x.shape[-2:]
+    x = F.pad(x, (0, -cols % 16, 0, -rows % 16)).contiguous()
+    return fake_quantize(x, spec=QuantSpec(block=(16, 16)))[..., :rows, :cols].double()
+
+
+@pytest.mark.parametrize(("S", "L", "d"), [(1, 1, 16), (17, 17, 32), (33, 40, 64), (7, 40, 32)])
+@pytest.mark.parametrize("kw", [{}, {"reuse": False}, {"reblock": True}, {"reuse": ("v",)}])
+def test_tiles_match_fake_quant_reference(S, L, d, kw):
+    """One tiled quantization of each of Q, K, V serves every GEMM of both passes, so reuse, no
+    reuse, partial reuse and reblock are all the hand-written reference below (dS in 1x16
+    blocks along each GEMM's reduction, as by default)."""
+    qkv, do = inputs(S=S, L=L, d=d, seed=S * 3 + L + d)
+    tiles = QuantSpec(block=(16, 16), nan_policy="propagate")
+    got = run(qkv, do, config=AttentionQuant(q=tiles, k=tiles, v=tiles, **kw))
+    q, k, v = (t.detach().double() for t in qkv)
+    qh, kh, vh = fq_tiles(q), fq_tiles(k), fq_tiles(v)
+    scale = 1 / math.sqrt(d)
+    p = ((qh @ kh.mT) * scale).masked_fill(~causal_mask(S, L), float("-inf")).softmax(-1)
+    o = p @ vh
+    ds = p * (do @ vh.mT - (do * o).sum(-1, keepdim=True))
+    want = (o, fq(ds, -1) @ kh * scale, fq(ds, -2).mT @ qh * scale, p.mT @ do)
+    assert_all_close(got, want, **TIGHT)
+
+
+def test_tiles_are_not_blocks():
+    """A tile's one scale spans 16 rows: tiles differ from 1x16 blocks along either dim, and
+    a tiled Q̂ is the same whichever dim quantize_along is told its blocks run along."""
+    q = inputs(S=32, d=32, seed=9)[0][0].detach()
+    tiles = QuantSpec(block=(16, 16), nan_policy="propagate")
+    along_d = attention.quantize_along(q, tiles, -1, torch.float64)
+    assert torch.equal(along_d, attention.quantize_along(q, tiles, -2, torch.float64))
+    assert torch.equal(along_d, fq_tiles(q))
+    assert not torch.equal(along_d, fq(q, -1)) and not torch.equal(along_d, fq(q, -2))
+    with pytest.raises(ValueError, match="last two dims"):
+        attention.quantize_along(q, tiles, 1, torch.float64)
+
+
 def test_padding_mask_matches_reference_and_empty_rows_give_zero():
     qkv, do = inputs(B=2, S=20)
     mask = torch.rand(2, 1, 20, 20, generator=torch.Generator().manual_seed(3)) < 0.6
@@ -278,8 +319,7 @@ def test_each_quantizer_flag_changes_the_result(name):
 def test_config_validation():
     with pytest.raises(TypeError, match="AttentionQuant.q"):
         AttentionQuant(q="nvfp4")
-    with pytest.raises(ValueError, match="1x16"):
-        AttentionQuant(k=QuantSpec(block=(16, 16)))
+    assert AttentionQuant(k=QuantSpec(block=(16, 16))).k.is_2d  # tiles (see the tiled tests)
     with pytest.raises(ValueError, match="hadamard"):
         AttentionQuant(v=QuantSpec(hadamard=True))
     with pytest.raises(ValueError, match="unknown"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import fp4stack.nn.attention as attention
 from fp4stack import fake_quantize
 from fp4stack.formats.spec import QuantSpec
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention
+from fp4stack.nn.attention_quant import NVFP4_TILES
 
 pytest.importorskip("triton")
 from fp4stack.kernels import attention as fwd_kernels  # noqa: E402
@@ -274,7 +276,7 @@ def test_backend_choice():
         fp4_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="mask"):
         fp4_attention(q, k, v, mask=torch.ones(8, 8, dtype=torch.bool), backend="triton")
-    with pytest.raises(ValueError, match="default config, any reuse and ds=None only"):
+    with pytest.raises(ValueError, match="default config, any reuse and ds=None, and Q, K, V in"):
         fp4_attention(q, k, v, config=AttentionQuant.only("q"), backend="triton")
     with pytest.raises(ValueError, match="head_dim"):
         fp4_attention(q[..., :8], k[..., :8], v[..., :8], backend="triton")
@@ -473,7 +475,8 @@ def test_triton_configs():
     """_triton_unsupported accepts the default config and its ablations (reuse, requantize, ds);
     any other spec or flag stays on the reference, and backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
-    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values()):
+    tiled = [replace(TILED, **kw) for kw in ({}, {"reuse": False}, {"ds": None})]
+    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled):
         assert attention._triton_unsupported(q, cfg, None) == "", cfg
     stochastic = QuantSpec(rounding="stochastic", nan_policy="propagate")
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
@@ -481,7 +484,8 @@ def test_triton_configs():
                 AttentionQuant(ds=stochastic), AttentionQuant(q=QuantSpec(), ds=None),
                 AttentionQuant.off()):
         why = attention._triton_unsupported(q, cfg, None)
-        assert "any reuse and ds=None only" in why and cfg.describe() in why, cfg
+        assert "any reuse and ds=None, and Q, K, V in 16x16 tiles" in why, cfg
+        assert cfg.describe() in why, cfg
         with pytest.raises(ValueError, match="fp4_attention.backend='triton'.: the kernels"):
             fp4_attention(q, k, v, config=cfg, backend="triton")
 
@@ -533,3 +537,49 @@ def test_gpu_backward_large(S, L, d, causal, deterministic, monkeypatch):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == torch.bfloat16
         assert (a.float() - b).norm() / b.norm() < REL_BF16, name
+
+
+# ---- Q, K, V in 16x16 tiles: one quantization for every GEMM -----------------------------------
+TILED = AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES, v=NVFP4_TILES)
+
+
+def test_tiled_operands_bit_exact():
+    """The tiled prologue's Q̂, K̂, V̂ equal fake_quantize with 16x16 tiles over (tokens, d) bit
+    for bit, the token tail zero-padded; a tile's one scale spans 16 rows, so changing one row
+    moves its 15 neighbours' values too."""
+    q, k, v = draw(2, 2, 21, 37, 32, seed=31)
+    k[0, 1, 3, 5] *= 40
+    got = quantized_operands(q, k, v, tiled=True, tiles=dict(quant=Tile(32, 16)))
+    for t, hat in zip((q, k, v), got, strict=True):
+        want = attention.quantize_along(t, NVFP4_TILES, -1, torch.float32)
+        assert torch.equal(hat, want)
+        assert not torch.equal(hat, fq_along(t, -1, t.abs().amax()))  # not 1x16 blocks
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("S, L, d, deterministic", [(17, 21, 16, False), (33, 33, 32, True)])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_tiled_backward_matches_reference(S, L, d, deterministic, causal, reuse, monkeypatch):
+    """The tiled kernels against the reference of the same config, fp32 inputs; with tiles the
+    reference's reuse and no reuse are the same numbers, and the kernels run one path for both."""
+    monkeypatch.setattr("fp4stack.kernels.attention_bwd.DETERMINISTIC", deterministic)
+    cfg = replace(TILED, reuse=reuse)
+    assert attention._triton_unsupported(torch.empty(1, 1, 1, d, device=DEVICE), cfg, None) in (
+        "", "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+    q, k, v = draw(1, 2, S, L, d, seed=S * 5 + L + d)
+    do = draw(1, 2, S, 1, d, seed=S + 3)[0]
+    got = grads(q, k, v, do, causal, "triton", config=cfg)
+    assert_grads_close(got, grads(q, k, v, do, causal, "torch", config=cfg), **GRAD_TOL)
+
+
+def test_tiled_gqa_and_the_configs_the_kernels_leave_to_the_reference():
+    q, k, v = draw(1, 4, 17, 21, 16, seed=33)
+    k, v = k[:, :2], v[:, :2]
+    do = draw(1, 4, 17, 1, 16, seed=34)[0]
+    got = grads(q, k, v, do, True, "triton", config=TILED, scale=0.3)
+    assert_grads_close(got, grads(q, k, v, do, True, "torch", config=TILED, scale=0.3),
+                       **GRAD_TOL)
+    for cfg in (replace(TILED, reblock=True), replace(TILED, reuse=False, requantize=False),
+                replace(TILED, v=NVFP4_RNE)):
+        with pytest.raises(ValueError, match="16x16 tiles"):
+            fp4_attention(q, k, v, config=cfg, backend="triton")

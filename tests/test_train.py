@@ -21,6 +21,7 @@ from fp4stack.cli import main
 from fp4stack.data import write_shard
 from fp4stack.models.gpt import GPT
 from fp4stack.nn.attention import AttentionQuant
+from fp4stack.nn.attention_quant import NVFP4_TILES
 from fp4stack.nn.recipe import PRESETS, LowRank
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
@@ -361,7 +362,8 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
-                                    "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock"])
+                                    "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock",
+                                    "fullstack-nvidia-tiles"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -374,7 +376,8 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     nvidia, fullstack = PRESETS["nvfp4-nvidia"], PRESETS["fullstack"]
     reuse = {"fullstack-nvidia": True, "fullstack-nvidia-noreuse": False,
              "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k"),
-             "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True}
+             "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True,
+             "fullstack-nvidia-tiles": True}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
@@ -382,7 +385,9 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         assert r.keep_first_blocks == r.keep_last_blocks == 0
         assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
         hp, reblock = name.endswith("hp-backward"), name.endswith("reblock")
-        assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock), name
+        tiles = dict.fromkeys("qkv", NVFP4_TILES) if name.endswith("tiles") else {}
+        assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
+                                             **tiles), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

@@ -18,7 +18,9 @@ units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized); for reuse
 partial reuse, it gets backward_operands instead, the prologue's kernel run again on the raw
 tensors not reused, with the forward's amaxes: Q̂, K̂ along d (the forward's, bit for bit), V̂
 along d, Q̂ along the queries, K̂ along the keys. reblock=True re-quantizes the reused units
-along those same dims (reblocked_operands).
+along those same dims (reblocked_operands). With 16x16 tiles (AttentionQuant's NVFP4_TILES for
+Q, K and V) the prologue quantizes each tensor once in tiles, which serve every GEMM of both
+passes: the backward reuses those units whatever the config's reuse (the same numbers).
 
 fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P is rounded to it
 there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
@@ -103,7 +105,8 @@ def mma_type(dtype: torch.dtype):
 
 @triton.jit
 def quantize_tile(x, amax, BLOCK_AXIS: tl.constexpr, SCALE_MAX: tl.constexpr):
-    """NVFP4 RNE of a [R, C] fp32 tile in 16-element blocks along axis BLOCK_AXIS.
+    """NVFP4 RNE of a [R, C] fp32 tile in 16-element blocks along axis BLOCK_AXIS (1: along C,
+    0: along R), or, BLOCK_AXIS 2, in 16x16 tiles (R and C multiples of 16).
 
     Returns (units, dec): the dequantized values are units * dec, as the fake-quantize kernel
     computes them; units = E2M1 value * E4M3 block scale.
@@ -116,11 +119,17 @@ def quantize_tile(x, amax, BLOCK_AXIS: tl.constexpr, SCALE_MAX: tl.constexpr):
         sbits = jit.block_scale_bits(tl.reduce(tl.abs(xb), 2, jit.max_nan), s_enc, 1.0 / 6.0)
         enc = jit.encode_factor(sbits, s_dec)[:, :, None]
         s = jit.e4m3_value(sbits)[:, :, None]
-    else:
+    elif BLOCK_AXIS == 0:
         xb = tl.reshape(x, (R // 16, 16, C))
         sbits = jit.block_scale_bits(tl.reduce(tl.abs(xb), 1, jit.max_nan), s_enc, 1.0 / 6.0)
         enc = jit.encode_factor(sbits, s_dec)[:, None, :]
         s = jit.e4m3_value(sbits)[:, None, :]
+    else:
+        xb = tl.reshape(x, (R // 16, 16, C // 16, 16))
+        tile_max = tl.reduce(tl.reduce(tl.abs(xb), 3, jit.max_nan), 1, jit.max_nan)
+        sbits = jit.block_scale_bits(tile_max, s_enc, 1.0 / 6.0)
+        enc = jit.encode_factor(sbits, s_dec)[:, None, :, None]
+        s = jit.e4m3_value(sbits)[:, None, :, None]
     units = jit.e2m1_rne_value(xb * enc) * s
     return tl.reshape(units, (R, C)), amax * INV_RANGE
 
@@ -130,8 +139,9 @@ def quantize_units_kernel(x_ptr, u_ptr, amax_ptr, H, N, sxb, sxh, sxn, sxd,
                           D: tl.constexpr, BLOCK: tl.constexpr, AXIS: tl.constexpr,
                           SCALE_MAX: tl.constexpr):
     """Units of rows [BLOCK, D] of x [B, H, N, D] (any strides) into contiguous u [B*H, N, D];
-    AXIS 1: 16-blocks along d, AXIS 0: along the rows (BLOCK is a multiple of 16, so a tile's
-    blocks are the reference's; rows past N load as zeros, the reference's padding)."""
+    AXIS 1: 16-blocks along d, AXIS 0: along the rows, AXIS 2: 16x16 tiles (BLOCK is a
+    multiple of 16, so a tile's blocks are the reference's; rows past N load as zeros, the
+    reference's padding)."""
     pid, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = pid * BLOCK + tl.arange(0, BLOCK)
@@ -308,8 +318,8 @@ def tiles_for(q: torch.Tensor, tiles: dict[str, Tile] | None) -> dict[str, Tile]
 
 
 def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile) -> torch.Tensor:
-    """Units of t [B, H, N, d] quantized with global amax amax[0] in 16-blocks along d (axis 1)
-    or along N (axis 0): contiguous, in t's dtype (fp32 stays fp32)."""
+    """Units of t [B, H, N, d] quantized with global amax amax[0] in 16-blocks along d (axis 1),
+    along N (axis 0) or in 16x16 tiles (axis 2): contiguous, in t's dtype (fp32 stays fp32)."""
     u = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     B, H, N, D = t.shape
     if N:
@@ -319,11 +329,13 @@ def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile) -> torch.Tensor
     return u
 
 
-def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile):
-    """Units of Q̂, K̂ (blocks along d) and V̂ (blocks along keys): contiguous [B, H, *, d] in the
-    input dtype (fp32 stays fp32); Q̂ = units * amax[0] / 2688, and so on."""
+def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile, tiled: bool = False):
+    """Units of Q̂, K̂ (blocks along d) and V̂ (blocks along keys), or with `tiled` of all three
+    in 16x16 tiles: contiguous [B, H, *, d] in the input dtype (fp32 stays fp32);
+    Q̂ = units * amax[0] / 2688, and so on."""
+    axes = (2, 2, 2) if tiled else (1, 1, 0)
     return [quantize_units(t, amax[i:], axis, tile)
-            for i, (t, axis) in enumerate(((q, 1), (k, 1), (v, 0)))]
+            for i, (t, axis) in enumerate(zip((q, k, v), axes, strict=True))]
 
 
 def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...] = ()):
@@ -400,10 +412,10 @@ def forward_units(qu, ku, vu, amax, causal: bool, scale: float, tile: Tile):
 def fp4_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     scale: float | None = None, *, q_amax=None, k_amax=None, v_amax=None,
-    tiles: dict[str, Tile] | None = None,
+    tiles: dict[str, Tile] | None = None, tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 attention forward of q [B, H, S, d] over k, v [B, Hkv, L, d]: (out, lse); query
-    head h reads K/V head h // (H / Hkv).
+    head h reads K/V head h // (H / Hkv). tiled: Q, K, V in 16x16 tiles (NVFP4_TILES).
 
     out has q's dtype; lse is the fp32 [B, H, S] log-sum-exp of the scaled scores. The amaxes
     are each tensor's global max |x| (float or 0-d tensor; None computes it here, as the
@@ -414,18 +426,18 @@ def fp4_attention_forward(
     tiles = tiles_for(q, tiles)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     amax = amaxes(q, k, v, q_amax, k_amax, v_amax)
-    units = quantize_operands(q, k, v, amax, tiles["quant"])
+    units = quantize_operands(q, k, v, amax, tiles["quant"], tiled)
     return forward_units(*units, amax, causal, scale, tiles["fwd"])
 
 
 def quantized_operands(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_amax=None, k_amax=None,
-    v_amax=None, tiles: dict[str, Tile] | None = None,
+    v_amax=None, tiles: dict[str, Tile] | None = None, tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For tests: the dequantized Q̂, K̂, V̂ (fp32) the kernels use: the prologue's units times
-    the global decode factor, multiplied as the quantize kernels do."""
+    the global decode factor, multiplied as the quantize kernels do; `tiled`: 16x16 tiles."""
     check(q, k, v, False)
     tiles = tiles_for(q, tiles)
     amax = amaxes(q, k, v, q_amax, k_amax, v_amax)
-    units = quantize_operands(q, k, v, amax, tiles["quant"])
+    units = quantize_operands(q, k, v, amax, tiles["quant"], tiled)
     return tuple(unit_values(u, amax, i) for i, u in enumerate(units))

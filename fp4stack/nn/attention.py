@@ -34,6 +34,9 @@ reblock=True (with reuse): the reused values go into dP, dQ, dK (and dV for P̂)
 along those GEMMs' reduction dims, with the forward's global amaxes: the forward's numbers in the
 blocks a native NVFP4 GEMM needs (reuse as such is only possible where the GEMM runs on
 dequantized operands, as in this emulation), at the price of a second rounding.
+16x16 tiles (AttentionQuant.q, k, v = NVFP4_TILES): one scale per 16 tokens x 16 head dims, so
+each block runs along both dims and one quantization of Q, K, V is the right operand of every
+GEMM in both passes; reuse, no reuse and reblock then give the same numbers.
 
 Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
 saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
@@ -46,7 +49,8 @@ and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute
 
 Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
 attention_bwd (backward) for CUDA tensors when the config is the default or one of its ablations
-AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), mask is None, head_dim
+AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), or Q, K, V in 16x16
+tiles (with requantize and without reblock), mask is None, head_dim
 is 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
 same quantized values (bit-exact tiles) and sums in another order (ds=None with 16-bit inputs:
 dS is rounded to that dtype for its dots, where the reference keeps fp32). Everything else (p or
@@ -70,7 +74,7 @@ from torch import Tensor
 from ..api import fake_quantize
 from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
-from .attention_quant import NVFP4_RNE, AttentionQuant
+from .attention_quant import NVFP4_RNE, NVFP4_TILES, AttentionQuant
 
 _BLOCK = 16
 
@@ -81,17 +85,22 @@ def quantize_along(t: Tensor, spec: QuantSpec | None, dim: int, dtype: torch.dty
 
     Quantized in fp32 (NVFP4 values are exact there; a bf16 result would round them), with
     `dim` zero-padded to whole blocks; amax: the global amax to scale with (default: t's).
-    spec None returns t as `dtype`.
+    A 16x16-tile spec quantizes tiles over t's last two dims, whichever of them `dim` is
+    (both padded): the same values along either. spec None returns t as `dtype`.
     """
     if spec is None:
         return t.to(dtype)
-    x = t.movedim(dim, -1).float()
-    n = x.shape[-1]
-    if n % _BLOCK:
-        x = F.pad(x, (0, -n % _BLOCK))
+    if spec.is_2d and dim % t.dim() < t.dim() - 2:
+        raise ValueError(f"16x16 tiles run over the last two dims, got dim={dim} of a "
+                         f"{t.dim()}-dim tensor")
+    x = t.float() if spec.is_2d else t.movedim(dim, -1).float()
+    rows, n = x.shape[-2], x.shape[-1]
+    pad = (0, -n % _BLOCK, 0, -rows % _BLOCK if spec.is_2d else 0)
+    if any(pad):
+        x = F.pad(x, pad)
     seed = draw_seed() if seed is None and spec.rounding == "stochastic" else seed
-    y = fake_quantize(x.contiguous(), spec=spec, seed=seed, amax=amax)
-    return y[..., :n].to(dtype).movedim(-1, dim)
+    y = fake_quantize(x.contiguous(), spec=spec, seed=seed, amax=amax)[..., :rows, :n]
+    return y.to(dtype) if spec.is_2d else y.to(dtype).movedim(-1, dim)
 
 
 def _allowed(S: int, L: int, causal: bool, mask: Tensor | None, device) -> Tensor | None:
@@ -199,9 +208,9 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     backend: "torch" this module's reference; "triton" the flash kernels of
     fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
-    the default config with any reuse and/or ds=None, with mask None,
-    head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU tensors only under the
-    Triton interpreter (TRITON_INTERPRET=1).
+    the default config with any reuse and/or ds=None, and to Q, K, V in 16x16 tiles, with
+    mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU tensors only
+    under the Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config
     if not isinstance(config, AttentionQuant):
@@ -222,10 +231,11 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if backend == "triton" and why_not:
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
     if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
-        # GQA heads indexed in-kernel
-        reused = tuple(n for n in "qkv" if config.reuses(n))
+        # GQA heads indexed in-kernel; tiles serve every GEMM, so any reuse is full reuse
+        tiled = _tiled(config)
+        reused = tuple(n for n in "qkv" if tiled or config.reuses(n))
         return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config.requantize,
-                                        config.reblock, config.ds is not None)
+                                        config.reblock, config.ds is not None, tiled)
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
@@ -236,17 +246,25 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
 _BACKENDS = ("auto", "torch", "triton")
 
 
+def _tiled(config: AttentionQuant) -> bool:
+    """Q, K and V all in NVFP4 16x16 tiles (the kernels' tiled prologue)."""
+    return config.q == config.k == config.v == NVFP4_TILES
+
+
 def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -> str:
     """Why the Triton kernels do not apply ("" when they do)."""
     from ..kernels import available
 
     # The kernels compute the method's config and its ablations: the paper's specs, with any
-    # reuse and/or ds=None. Other specs stay on the reference.
+    # reuse and/or ds=None; or Q, K, V in 16x16 tiles (requantize and no reblock, where every
+    # reuse gives the same numbers). Other specs stay on the reference.
+    tiled = _tiled(config)
     if config.ds not in (None, NVFP4_RNE) or replace(
-            config, reuse=True, requantize=True, reblock=False,
-            ds=NVFP4_RNE) != AttentionQuant.paper():
-        return ("the kernels compute the default config, any reuse and ds=None only, got "
-                f"{config.describe()}")
+            config, reuse=True, requantize=True, reblock=False, ds=NVFP4_RNE,
+            **(dict.fromkeys("qkv", NVFP4_RNE) if tiled else {}),
+    ) != AttentionQuant.paper() or (tiled and (config.reblock or not config.requantize)):
+        return ("the kernels compute the default config, any reuse and ds=None, and Q, K, V in "
+                f"16x16 tiles (requantize, no reblock) only, got {config.describe()}")
     if mask is not None:
         return "the kernels take no mask (causal or none only)"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -275,12 +293,12 @@ class _TritonAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
-                requantize: bool, reblock: bool, quant_ds: bool):
+                requantize: bool, reblock: bool, quant_ds: bool, tiled: bool):
         from ..kernels import attention as kernel
 
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
-        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"])
+        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"], tiled)
         out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
         ctx.save_for_backward(*saved, out, lse, amax)
@@ -312,7 +330,7 @@ class _TritonAttentionFn(torch.autograd.Function):
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
                                           quant_ds=ctx.quant_ds, **alt)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -16,6 +16,9 @@ _FLAGS = ("q", "k", "v", "p", "ds", "dp")
 _REUSABLE = ("q", "k", "v", "p")
 # The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
 NVFP4_RNE = QuantSpec(nan_policy="propagate")
+# The same in 16x16 tiles over a tensor's last two dims (tokens x head_dim for Q, K, V): one
+# quantization whose blocks run along both, so every GEMM can take it (see fp4stack.nn.attention).
+NVFP4_TILES = QuantSpec(block=(16, 16), nan_policy="propagate")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class AttentionQuant:
     values as they are; True re-quantizes those values along the GEMM's reduction dim with the
     forward's global amax (double quantization), the form a native NVFP4 GEMM can take. S is
     recomputed from the forward's Q̂, K̂ either way (already blocked along d, its reduction).
+    A spec with block=(16, 16) (NVFP4_TILES) quantizes 16x16 tiles over the tensor's last two
+    dims, blocks along both at once: the forward's Q̂, K̂, V̂ are then the right operands of every
+    backward GEMM, and reuse, no reuse and reblock compute the same numbers.
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -103,7 +109,8 @@ class AttentionQuant:
         return any(getattr(self, name) is not None for name in _FLAGS)
 
     def describe(self) -> str:
-        on = [name for name in _FLAGS if getattr(self, name) is not None]
+        on = [name + (" (16x16 tiles)" if getattr(self, name).is_2d else "")
+              for name in _FLAGS if getattr(self, name) is not None]
         reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
         fresh = "" if self.requantize else "; the others unquantized in the backward"
         reblock = "; reused values re-blocked" if self.reblock else ""
@@ -129,9 +136,6 @@ def _normalized_reuse(reuse) -> bool | tuple[str, ...]:
 
 
 def _check_nvfp4(name: str, spec: QuantSpec) -> None:
-    if spec.block != (1, 16):
-        raise ValueError(f"AttentionQuant.{name}: attention quantizes 1x16 blocks along each "
-                         f"GEMM's reduction dim, got block={spec.block}")
     if spec.hadamard:
         raise ValueError(f"AttentionQuant.{name}: hadamard=True is not supported: the values "
                          "would stay in the transformed domain, which only cancels when both "

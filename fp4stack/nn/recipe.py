@@ -15,6 +15,7 @@ from typing import Literal
 
 from ..formats.spec import QuantSpec
 from .attention import AttentionQuant
+from .attention_quant import NVFP4_TILES
 
 WeightStorage = Literal["master", "packed"]
 
@@ -189,6 +190,11 @@ def _presets() -> dict[str, Recipe]:
         # each backward GEMM's reduction dim (a second rounding).
         "fullstack-nvidia-reblock": fullstack_nvidia.with_(
             name="fullstack-nvidia-reblock", attention=AttentionQuant(reblock=True)),
+        # Q, K, V in 16x16 tiles (tokens x head_dim), blocks along both dims at once: one
+        # quantization the backward reuses that every GEMM, native ones too, can take.
+        "fullstack-nvidia-tiles": fullstack_nvidia.with_(
+            name="fullstack-nvidia-tiles",
+            attention=AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES, v=NVFP4_TILES)),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -206,8 +212,8 @@ PRESETS: dict[str, Recipe] = _presets()
 def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
-    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -hp-backward), qat-w, w8a8, w4a4,
-    w4a4-rc.
+    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -hp-backward), qat-w,
+    w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""
     if isinstance(name, Recipe):

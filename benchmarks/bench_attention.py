@@ -90,7 +90,6 @@ def sdpa_variants(causal: bool):
 
 def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     from fp4stack.nn.attention import AttentionQuant, fp4_attention
-    from fp4stack.nn.attention_quant import NVFP4_TILES
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -102,7 +101,7 @@ def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     cands = sdpa_variants(causal)[:1 if device == "cpu" else None]
     cands.append(("fp4 triton" + tiles_label,
                   lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton")))
-    tiled = AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES, v=NVFP4_TILES)
+    tiled = AttentionQuant.tiled()
     cands.append(("fp4 triton, Q/K/V in 16x16 tiles" + tiles_label,
                   lambda q, k, v: fp4_attention(q, k, v, causal, tiled, backend="triton")))
     if with_reference:

@@ -540,7 +540,7 @@ def test_gpu_backward_large(S, L, d, causal, deterministic, monkeypatch):
 
 
 # ---- Q, K, V in 16x16 tiles: one quantization for every GEMM -----------------------------------
-TILED = AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES, v=NVFP4_TILES)
+TILED = AttentionQuant.tiled()
 
 
 def test_tiled_operands_bit_exact():

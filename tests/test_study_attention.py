@@ -35,11 +35,10 @@ def test_own_forward_is_what_reuse_differentiates():
     assert len(study.errors(AttentionQuant.only("q"), s, refs)) == 4  # no own forward
     # 16x16 tiles: the own forward is attention on the tiled Q̂, K̂, V̂, which any reuse
     # differentiates exactly (the default's own forward is another function)
-    t = study.NVFP4_TILES
     for reuse in (True, False):
-        tiled = study.errors(AttentionQuant(q=t, k=t, v=t, ds=None, reuse=reuse), s, refs)
+        tiled = study.errors(AttentionQuant.tiled(ds=None, reuse=reuse), s, refs)
         assert tiled[4:] == [0.0, 0.0, 0.0]
-    got = study.run(AttentionQuant(q=t, k=t, v=t, ds=None), *s)
+    got = study.run(AttentionQuant.tiled(ds=None), *s)
     assert min((a - b).norm() / b.norm() for a, b in zip(got[1:3], refs[1][1:3], strict=True)
                ) > 0.02
 

@@ -388,6 +388,7 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         tiles = dict.fromkeys("qkv", NVFP4_TILES) if name.endswith("tiles") else {}
         assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
                                              **tiles), name
+        assert r.attention.describe().count("16x16 tiles") == (3 if tiles else 0), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

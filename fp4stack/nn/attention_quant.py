@@ -96,6 +96,11 @@ class AttentionQuant:
         return cls()
 
     @classmethod
+    def tiled(cls, **fields) -> AttentionQuant:
+        """Q, K, V in NVFP4 16x16 tiles (NVFP4_TILES), the other fields as given."""
+        return cls(**dict.fromkeys(("q", "k", "v"), NVFP4_TILES), **fields)
+
+    @classmethod
     def only(cls, *names: str, spec: QuantSpec = NVFP4_RNE, reuse: bool = True) -> AttentionQuant:
         """Just the named tensors quantized with `spec`, e.g. only("q", "ds"), for ablations."""
         unknown = sorted(set(names) - set(_FLAGS))

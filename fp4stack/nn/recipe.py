@@ -15,7 +15,6 @@ from typing import Literal
 
 from ..formats.spec import QuantSpec
 from .attention import AttentionQuant
-from .attention_quant import NVFP4_TILES
 
 WeightStorage = Literal["master", "packed"]
 
@@ -194,7 +193,7 @@ def _presets() -> dict[str, Recipe]:
         # quantization the backward reuses that every GEMM, native ones too, can take.
         "fullstack-nvidia-tiles": fullstack_nvidia.with_(
             name="fullstack-nvidia-tiles",
-            attention=AttentionQuant(q=NVFP4_TILES, k=NVFP4_TILES, v=NVFP4_TILES)),
+            attention=AttentionQuant.tiled()),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",

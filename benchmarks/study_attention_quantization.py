@@ -271,7 +271,10 @@ def weight_grad_table(checkpoint: Path, config: str, batches: int, device: str) 
     """Relative error of the attention projections' weight gradients against exact attention's:
     per batch (mean over batches), and of their sum over the batches; and for all parameters'
     summed gradient, its cosine with exact attention's and its gain along it, <g, e> / <e, e>
-    (below 1: a step along g descends less than exact attention's would)."""
+    (below 1: a step along g descends less than exact attention's would). Two per-coordinate
+    columns, as Adam sees a gradient rather than as its norm does: the share of coordinates
+    whose summed gradient has exact attention's sign, and the relative error of the summed
+    gradient divided coordinate-wise by the RMS of its per-batch values (Adam's m / sqrt(v))."""
     exact_grads = weight_grads(checkpoint, config, batches, AttentionQuant.off(), device)
     groups = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 
@@ -286,10 +289,11 @@ def weight_grad_table(checkpoint: Path, config: str, batches: int, device: str) 
           "relative error against exact attention, all blocks together)\n")
     print("| quantized | " + " | ".join(f"W_{g} per batch | W_{g} summed" for g in
                                           groups.values()) +
-          " | all params summed | cosine | gain |")
-    print("|---|" + "---:|" * (2 * len(groups) + 3))
+          " | all params summed | cosine | gain | sign agreement | Adam-normalised |")
+    print("|---|" + "---:|" * (2 * len(groups) + 5))
     every = list(exact_grads[0])
     want = [sum(e[n] for e in exact_grads) for n in every]
+    want_adam = adam_normalised(exact_grads, every)
     for name, cfg in WEIGHT_GRAD_CONFIGS.items():
         got = weight_grads(checkpoint, config, batches, cfg, device)
         cells = []
@@ -303,8 +307,25 @@ def weight_grad_table(checkpoint: Path, config: str, batches: int, device: str) 
         total = [sum(g[n] for g in got) for n in every]
         cosine = dot(total, want) / (dot(total, total) * dot(want, want)) ** 0.5
         gain = dot(total, want) / dot(want, want)
+        signs = sum(((t.sign() == w.sign()) & (w != 0)).sum().item()
+                    for t, w in zip(total, want, strict=True))
+        signs /= sum((w != 0).sum().item() for w in want)
+        adam = rel(adam_normalised(got, every), want_adam)
         print(f"| {name} | " + " | ".join(cells) +
-              f" | {rel(total, want):.2e} | {cosine:.4f} | {gain:.4f} |", flush=True)
+              f" | {rel(total, want):.2e} | {cosine:.4f} | {gain:.4f} | {signs:.4f} | "
+              f"{adam:.2e} |", flush=True)
+
+
+def adam_normalised(grads: list[dict[str, torch.Tensor]], names: list[str]
+                    ) -> list[torch.Tensor]:
+    """Per parameter, the gradient summed over batches divided coordinate-wise by the RMS of
+    the per-batch gradients (0 where they are all 0): the direction Adam would step along."""
+    out = []
+    for n in names:
+        batch = torch.stack([g[n] for g in grads])
+        rms = batch.pow(2).mean(0).sqrt()
+        out.append(torch.where(rms > 0, batch.sum(0) / rms.clamp_min(1e-300), 0.0))
+    return out
 
 
 def main() -> None:

@@ -121,3 +121,9 @@ def test_a_quantized_recipes_checkpoint_loads_as_its_master_weights(tmp_path):
     assert all(torch.equal(loaded[k], state[k]) for k in loaded)
     got = study.capture(ckpt, str(config), 1)
     assert len(got) == 3 and all(t.dtype == torch.float64 for t in got[0])
+
+
+def test_adam_normalised_divides_the_sum_by_the_per_batch_rms():
+    grads = [{"w": torch.tensor([3.0, 0.0, 1.0])}, {"w": torch.tensor([-1.0, 0.0, 1.0])}]
+    (got,) = study.adam_normalised(grads, ["w"])
+    assert torch.allclose(got, torch.tensor([2 / 5**0.5, 0.0, 2.0]))  # rms 0 -> 0, no NaN

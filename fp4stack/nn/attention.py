@@ -251,18 +251,25 @@ def _tiled(config: AttentionQuant) -> bool:
     return config.q == config.k == config.v == NVFP4_TILES
 
 
+def _kernel_config(config: AttentionQuant) -> bool:
+    """Whether the kernels compute `config`: the method's specs with any reuse, requantize and
+    reblock, and/or ds=None; or Q, K, V in 16x16 tiles with requantize and no reblock (where
+    every reuse gives the same numbers). Other specs stay on the reference."""
+    if config.ds not in (None, NVFP4_RNE):
+        return False
+    if _tiled(config):
+        if config.reblock or not config.requantize:
+            return False
+        config = replace(config, q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE)
+    flags = dict(reuse=True, requantize=True, reblock=False, ds=NVFP4_RNE)
+    return replace(config, **flags) == AttentionQuant.paper()
+
+
 def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -> str:
     """Why the Triton kernels do not apply ("" when they do)."""
     from ..kernels import available
 
-    # The kernels compute the method's config and its ablations: the paper's specs, with any
-    # reuse and/or ds=None; or Q, K, V in 16x16 tiles (requantize and no reblock, where every
-    # reuse gives the same numbers). Other specs stay on the reference.
-    tiled = _tiled(config)
-    if config.ds not in (None, NVFP4_RNE) or replace(
-            config, reuse=True, requantize=True, reblock=False, ds=NVFP4_RNE,
-            **(dict.fromkeys("qkv", NVFP4_RNE) if tiled else {}),
-    ) != AttentionQuant.paper() or (tiled and (config.reblock or not config.requantize)):
+    if not _kernel_config(config):
         return ("the kernels compute the default config, any reuse and ds=None, and Q, K, V in "
                 f"16x16 tiles (requantize, no reblock) only, got {config.describe()}")
     if mask is not None:

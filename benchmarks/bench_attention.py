@@ -104,6 +104,9 @@ def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     tiled = AttentionQuant.tiled()
     cands.append(("fp4 triton, Q/K/V in 16x16 tiles" + tiles_label,
                   lambda q, k, v: fp4_attention(q, k, v, causal, tiled, backend="triton")))
+    rotated = AttentionQuant(rotate_qk=True)
+    cands.append(("fp4 triton, Q/K rotated" + tiles_label,
+                  lambda q, k, v: fp4_attention(q, k, v, causal, rotated, backend="triton")))
     if with_reference:
         cands.append(("fp4 torch reference",
                       lambda q, k, v: fp4_attention(q, k, v, causal, backend="torch")))

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from fp4stack.formats.hadamard import rht, rht_inverse
 from fp4stack.models import GPT
 from fp4stack.models.gpt import Attention
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention, quantize_along
@@ -57,6 +58,8 @@ CONFIGS = {
     "Q, K, V, dS; reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
     "Q, K, V, dS; reuse, re-blocked": AttentionQuant(reblock=True),
     "Q, K, V in 16x16 tiles, dS; reuse": AttentionQuant.tiled(),
+    "Q, K rotated; Q, K, V, dS; reuse": AttentionQuant(rotate_qk=True),
+    "Q, K rotated; Q, K, V, dS; no reuse": AttentionQuant(rotate_qk=True, reuse=False),
     "Q, K, V, dS; high-precision backward": AttentionQuant(reuse=False, requantize=False),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
@@ -152,11 +155,17 @@ def exact(q, k, v, do):
 
 def own_forward(q, k, v, do, cfg: AttentionQuant | None = None):
     """Exact gradients of attention at the forward's quantized operands (what reuse keeps):
-    Q̂, K̂ along d and V̂ along keys with cfg's specs (default: the method's)."""
+    Q̂, K̂ along d and V̂ along keys with cfg's specs (default: the method's); with rotate_qk,
+    Q̂, K̂ of the rotated Q, K and their gradients rotated back."""
     cfg = cfg or AttentionQuant.paper()
+    if cfg.rotate_qk:
+        q, k = rht(q), rht(k)
     qh, kh = (quantize_along(t, spec, -1, torch.float64) for t, spec in ((q, cfg.q), (k, cfg.k)))
     vh = quantize_along(v, cfg.v, -2, torch.float64)
-    return exact(qh, kh, vh, do)
+    out, dq, dk, dv = exact(qh, kh, vh, do)
+    if cfg.rotate_qk:
+        dq, dk = rht_inverse(dq), rht_inverse(dk)
+    return out, dq, dk, dv
 
 
 def run(cfg: AttentionQuant, q, k, v, do, backend: str = "torch"):
@@ -180,7 +189,8 @@ def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
     got = run(cfg, *sample)
     rel = [((a - b).norm() / b.norm()).item() for a, b in zip(got, refs[0], strict=True)]
     if has_own_forward(cfg):
-        own = refs[1] if (cfg.q, cfg.k, cfg.v) == (NVFP4_RNE,) * 3 else own_forward(*sample, cfg)
+        default = (cfg.q, cfg.k, cfg.v) == (NVFP4_RNE,) * 3 and not cfg.rotate_qk
+        own = refs[1] if default else own_forward(*sample, cfg)
         rel += [((a - b).norm() / b.norm()).item()
                 for a, b in zip(got[1:], own[1:], strict=True)]
     return rel
@@ -194,8 +204,11 @@ def flushed(samples) -> str:
 
     cells = [sum(share(s[i], spec, dim) for s in samples) / len(samples) for i in (0, 1)
              for spec, dim in ((NVFP4_RNE, -1), (NVFP4_RNE, -2), (NVFP4_TILES, -1))]
+    cells += [sum(share(rht(s[i]), NVFP4_RNE, -1) for s in samples) / len(samples)
+              for i in (0, 1)]
     return ("Rounded to zero: Q {:.1%} in blocks along d, {:.1%} along the sequence, {:.1%} in "
-            "16x16 tiles; K {:.1%}, {:.1%} and {:.1%}.").format(*cells)
+            "16x16 tiles; K {:.1%}, {:.1%} and {:.1%}. Rotated (rotate_qk), along d: Q {:.1%}, "
+            "K {:.1%}.").format(*cells)
 
 
 def table(samples, title: str) -> None:
@@ -216,13 +229,15 @@ KERNEL_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
     "Q, K, V, dS; reuse V̂ only", "Q, K, V, dS; reuse Q̂, K̂ only",
     "Q, K, V, dS; reuse, re-blocked", "Q, K, V in 16x16 tiles, dS; reuse",
+    "Q, K rotated; Q, K, V, dS; reuse", "Q, K rotated; Q, K, V, dS; no reuse",
     "Q, K, V, dS; high-precision backward")}
 
 
 def kernel_table(samples) -> None:
     """The Triton kernels on the bf16-rounded samples (what training runs under autocast):
     their error against exact attention, and against the float64 reference of the same config
-    on the same bf16 values (what the kernels add to the quantizers' error)."""
+    on the same bf16 values (what the kernels add to the quantizers' error; with rotate_qk the
+    torch reference on them, which rounds the rotated Q, K to bf16 as the kernels' path does)."""
     print(f"\nTriton kernels, bf16 inputs ({len(samples)} attention calls; relative error)\n")
     print("| quantized | out vs exact | dq vs exact | dk vs exact | dv vs exact | "
           "out vs reference | dq vs reference | dk vs reference | dv vs reference |")
@@ -233,7 +248,10 @@ def kernel_table(samples) -> None:
         rows = []
         for s, want in zip(bf16, exacts, strict=True):
             got = [t.double() for t in run(cfg, *s, backend="triton")]
-            ref = run(cfg, *(t.double() for t in s))
+            # rotate_qk rounds the rotated bf16 Q, K to bf16 before quantizing them; the
+            # reference on the same bf16 values does too, the float64 one would not
+            ref = [t.double() for t in run(cfg, *s)] if cfg.rotate_qk else \
+                run(cfg, *(t.double() for t in s))
             rows.append([((a - b).norm() / b.norm()).item()
                          for b_set in (want, ref) for a, b in zip(got, b_set, strict=True)])
         means = [f"{sum(col) / len(col):.2e}" for col in zip(*rows, strict=True)]
@@ -244,6 +262,7 @@ WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse",
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
     "Q, K, V, dS; reuse, re-blocked", "Q, K, V in 16x16 tiles, dS; reuse",
+    "Q, K rotated; Q, K, V, dS; reuse", "Q, K rotated; Q, K, V, dS; no reuse",
     "Q, K, V, dS; high-precision backward")}
 
 

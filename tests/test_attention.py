@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import fp4stack.nn.attention as attention
 from fp4stack import QuantSpec, fake_quantize
+from fp4stack.formats import hadamard
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.attention import AttentionQuant, fp4_attention, use_fp4_attention
 
@@ -168,6 +169,44 @@ def test_tiles_match_fake_quant_reference(S, L, d, kw):
     ds = p * (do @ vh.mT - (do * o).sum(-1, keepdim=True))
     want = (o, fq(ds, -1) @ kh * scale, fq(ds, -2).mT @ qh * scale, p.mT @ do)
     assert_all_close(got, want, **TIGHT)
+
+
+def rotated(t):
+    """t times the block-diagonal matrix of 16-point random Hadamard transforms, written as a
+    matrix product (not the butterflies fp4_attention uses)."""
+    m = torch.block_diag(*[hadamard.rht_matrix(torch.float64)] * (t.shape[-1] // 16))
+    return t.detach().double() @ m, m
+
+
+@pytest.mark.parametrize(("S", "L", "d", "Hkv"), [(17, 17, 32, 2), (33, 40, 64, 1)])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_rotate_qk_is_the_reference_on_rotated_q_and_k(S, L, d, Hkv, reuse):
+    """rotate_qk: the default config on (Q R, K R) with R orthogonal; dQ, dK come back by Rᵀ."""
+    qkv, do = inputs(S=S, L=L, d=d, H=2, Hkv=Hkv, seed=S + d)
+    got = run(qkv, do, config=AttentionQuant(rotate_qk=True, reuse=reuse))
+    (qr, m), (kr, _) = rotated(qkv[0]), rotated(qkv[1])
+    rep = 2 // Hkv
+    k, v = (t.detach().repeat_interleave(rep, dim=1) for t in (kr, qkv[2]))
+    o, dq, dk, dv = reference((qr, k, v), do, causal_mask(S, L), reuse=reuse)
+    dk, dv = (t.unflatten(1, (Hkv, rep)).sum(2) for t in (dk, dv))
+    assert_all_close(got, (o, dq @ m.T, dk @ m.T, dv), **TIGHT)
+    plain = run(qkv, do, config=AttentionQuant(reuse=reuse))
+    assert not torch.equal(got[0], plain[0])  # the rotation changes which values Q̂, K̂ take
+
+
+def test_rotate_qk_rounds_fewer_values_to_zero():
+    """Q with one channel per 16-block 8x the others (as trained models' low RoPE frequencies
+    are larger): in blocks along d a fifth of Q rounds to zero; rotated, under a tenth does,
+    fewer than for unit Gaussian values. (Against a single far larger outlier the rotation
+    cannot help: the small values then sit below the rotated block's step either way.)"""
+    q = inputs(S=64, d=64, seed=5)[0][0].detach().clone()
+    q[..., ::16] *= 8
+
+    def zero_share(t):
+        return (attention.quantize_along(t, attention.NVFP4_RNE, -1, torch.float64) == 0) \
+            .double().mean().item()
+
+    assert zero_share(q) > 0.2 and zero_share(rotated(q)[0]) < 0.05
 
 
 def test_tiles_are_not_blocks():
@@ -351,6 +390,15 @@ def test_config_validation():
     assert AttentionQuant(p=QuantSpec.none()).p is None
     assert not AttentionQuant.off().quantizes and AttentionQuant.paper() == AttentionQuant()
     assert AttentionQuant.paper().describe() == "quantized: q, k, v, ds; reuse=True"
+    with pytest.raises(TypeError, match="rotate_qk"):
+        AttentionQuant(rotate_qk=1)
+    with pytest.raises(ValueError, match="rotate_qk=True.*neither q nor k"):
+        AttentionQuant(q=None, k=None, rotate_qk=True)
+    assert AttentionQuant(rotate_qk=True).describe().endswith(
+        "; Q, K Hadamard-rotated along head_dim")
+    (q, k, v), _ = inputs(S=4, d=24)
+    with pytest.raises(ValueError, match="rotate_qk=True needs head_dim.*multiple of 16, got 24"):
+        fp4_attention(q, k, v, config=AttentionQuant(rotate_qk=True))
     (q, k, v), _ = inputs(S=4, d=16)
     with pytest.raises(ValueError, match="head_dim"):
         fp4_attention(q, k[..., :8], v[..., :8])

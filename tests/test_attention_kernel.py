@@ -296,8 +296,9 @@ def test_backend_choice():
         attention._TritonAttentionFn.apply = real
 
 
-@pytest.mark.parametrize("cfg", [AttentionQuant.paper(), AttentionQuant(reuse=False)],
-                         ids=["paper", "noreuse"])
+@pytest.mark.parametrize("cfg", [AttentionQuant.paper(), AttentionQuant(reuse=False),
+                                 AttentionQuant(rotate_qk=True)],
+                         ids=["paper", "noreuse", "rotated"])
 def test_gpt_trains_through_the_kernels(cfg):
     # The path the fullstack recipes take on a GPU (each block's attend hook -> the kernels; GQA
     # with 4 query heads on 2 K/V heads, head_dim 16, a length off the 16-grid), on DEVICE: the
@@ -476,7 +477,9 @@ def test_triton_configs():
     any other spec or flag stays on the reference, and backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
     tiled = [replace(TILED, **kw) for kw in ({}, {"reuse": False}, {"ds": None})]
-    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled):
+    rotated = [AttentionQuant(rotate_qk=True), AttentionQuant(rotate_qk=True, reuse=False)]
+    for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled,
+                *rotated):
         assert attention._triton_unsupported(q, cfg, None) == "", cfg
     stochastic = QuantSpec(rounding="stochastic", nan_policy="propagate")
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),

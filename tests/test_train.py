@@ -363,7 +363,7 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
                                     "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock",
-                                    "fullstack-nvidia-tiles"])
+                                    "fullstack-nvidia-tiles", "fullstack-nvidia-rotated"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -377,7 +377,8 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     reuse = {"fullstack-nvidia": True, "fullstack-nvidia-noreuse": False,
              "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k"),
              "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True,
-             "fullstack-nvidia-tiles": True}
+             "fullstack-nvidia-tiles": True, "fullstack-nvidia-rotated": True,
+             "fullstack-nvidia-rotated-noreuse": False}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
@@ -386,8 +387,10 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
         hp, reblock = name.endswith("hp-backward"), name.endswith("reblock")
         tiles = dict.fromkeys("qkv", NVFP4_TILES) if name.endswith("tiles") else {}
+        rotate = "rotated" in name
         assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
-                                             **tiles), name
+                                             rotate_qk=rotate, **tiles), name
+        assert ("Hadamard-rotated" in r.attention.describe()) == rotate, name
         assert r.attention.describe().count("16x16 tiles") == (3 if tiles else 0), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)

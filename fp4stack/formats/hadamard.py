@@ -49,19 +49,25 @@ def _signs(device: torch.device) -> torch.Tensor:
     return torch.tensor(RHT_SIGNS, dtype=torch.float32, device=device)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def rht(x: torch.Tensor) -> torch.Tensor:
-    """Forward transform of every 16-element block of the last dim (K % 16 == 0), in float32."""
+    """Forward transform of every 16-element block of the last dim (K % 16 == 0), in float32
+    (float64 for float64 input)."""
     if x.shape[-1] % BLOCK:
         raise ValueError(f"rht needs the last dim to be a multiple of 16, got {x.shape[-1]}")
-    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    blocks = x.to(_compute_dtype(x)).reshape(*x.shape[:-1], -1, BLOCK)
     y = _walsh_hadamard(blocks * _signs(x.device)) * _NORM
     return y.reshape(x.shape)
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
-    """Inverse of `rht` (its transpose): y -> y · H16 · diag(s) / 4, in float32."""
+    """Inverse of `rht` (its transpose): y -> y · H16 · diag(s) / 4, in float32 (float64 for
+    float64 input)."""
     if y.shape[-1] % BLOCK:
         raise ValueError(f"rht_inverse needs a last dim multiple of 16, got {y.shape[-1]}")
-    blocks = y.to(torch.float32).reshape(*y.shape[:-1], -1, BLOCK)
+    blocks = y.to(_compute_dtype(y)).reshape(*y.shape[:-1], -1, BLOCK)
     x = _walsh_hadamard(blocks) * _NORM * _signs(y.device)
     return x.reshape(y.shape)

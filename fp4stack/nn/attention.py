@@ -37,6 +37,10 @@ dequantized operands, as in this emulation), at the price of a second rounding.
 16x16 tiles (AttentionQuant.q, k, v = NVFP4_TILES): one scale per 16 tokens x 16 head dims, so
 each block runs along both dims and one quantization of Q, K, V is the right operand of every
 GEMM in both passes; reuse, no reuse and reblock then give the same numbers.
+rotate_qk=True: Q and K enter as Q R and K R, R = blockdiag(diag(s) H16 / 4) along d (the 16-point
+random Hadamard transform, computed in torch before either backend, bit-exact on CPU and GPU).
+R is orthogonal, so S = (QR)(KR)ᵀ = QKᵀ before quantization, and autograd takes dQ, dK back
+through Rᵀ; what changes is which values Q̂, K̂ round to, since a block's outliers spread out.
 
 Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
 saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
@@ -50,7 +54,7 @@ and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute
 Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
 attention_bwd (backward) for CUDA tensors when the config is the default or one of its ablations
 AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), or Q, K, V in 16x16
-tiles (with requantize and without reblock), mask is None, head_dim
+tiles (with requantize and without reblock), any of them with rotate_qk, mask is None, head_dim
 is 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
 same quantized values (bit-exact tiles) and sums in another order (ds=None with 16-bit inputs:
 dS is rounded to that dtype for its dots, where the reference keeps fp32). Everything else (p or
@@ -72,6 +76,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..api import fake_quantize
+from ..formats.hadamard import rht
 from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
 from .attention_quant import NVFP4_RNE, NVFP4_TILES, AttentionQuant
@@ -227,6 +232,11 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
             raise TypeError(f"mask must be a boolean 'may attend' tensor, got {mask.dtype}")
         mask = mask.to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if config.rotate_qk:
+        if q.shape[-1] % _BLOCK:
+            raise ValueError(f"AttentionQuant.rotate_qk=True needs head_dim to be a multiple "
+                             f"of {_BLOCK}, got {q.shape[-1]}: set rotate_qk=False")
+        q, k = _rotate(q), _rotate(k)
     why_not = _triton_unsupported(q, config, mask) if backend != "torch" else "torch asked"
     if backend == "triton" and why_not:
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
@@ -246,22 +256,28 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
 _BACKENDS = ("auto", "torch", "triton")
 
 
+def _rotate(t: Tensor) -> Tensor:
+    # the fixed butterfly order of rht keeps CPU and GPU bit-identical; autograd backs through it
+    return rht(t).to(t.dtype)
+
+
 def _tiled(config: AttentionQuant) -> bool:
     """Q, K and V all in NVFP4 16x16 tiles (the kernels' tiled prologue)."""
     return config.q == config.k == config.v == NVFP4_TILES
 
 
 def _kernel_config(config: AttentionQuant) -> bool:
-    """Whether the kernels compute `config`: the method's specs with any reuse, requantize and
-    reblock, and/or ds=None; or Q, K, V in 16x16 tiles with requantize and no reblock (where
-    every reuse gives the same numbers). Other specs stay on the reference."""
+    """Whether the kernels compute `config`: the method's specs with any reuse, requantize,
+    reblock and rotate_qk, and/or ds=None; or Q, K, V in 16x16 tiles with requantize and no
+    reblock (where every reuse gives the same numbers). Other specs stay on the reference."""
     if config.ds not in (None, NVFP4_RNE):
         return False
     if _tiled(config):
         if config.reblock or not config.requantize:
             return False
         config = replace(config, q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE)
-    flags = dict(reuse=True, requantize=True, reblock=False, ds=NVFP4_RNE)
+    # rotate_qk happens before either backend sees Q and K
+    flags = dict(reuse=True, requantize=True, reblock=False, ds=NVFP4_RNE, rotate_qk=False)
     return replace(config, **flags) == AttentionQuant.paper()
 
 

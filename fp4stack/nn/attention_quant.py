@@ -43,6 +43,11 @@ class AttentionQuant:
     A spec with block=(16, 16) (NVFP4_TILES) quantizes 16x16 tiles over the tensor's last two
     dims, blocks along both at once: the forward's Q̂, K̂, V̂ are then the right operands of every
     backward GEMM, and reuse, no reuse and reblock compute the same numbers.
+    rotate_qk: multiply Q and K along head_dim by one orthogonal matrix before anything else,
+    the 16-point random Hadamard transform of each 16-block (fp4stack.formats.hadamard). QKᵀ is
+    unchanged, but a block's outliers spread over its 16 elements, so fewer small elements round
+    to zero (FlashAttention-3's incoherent processing for FP8). dQ and dK come back through the
+    transpose; the backward still sees the forward's (rotated) Q̂ and K̂ when it reuses them.
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -54,6 +59,7 @@ class AttentionQuant:
     reuse: bool | tuple[str, ...] = True
     requantize: bool = True
     reblock: bool = False
+    rotate_qk: bool = False
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -70,6 +76,12 @@ class AttentionQuant:
             raise TypeError(f"AttentionQuant.requantize must be a bool, got {self.requantize!r}")
         if not isinstance(self.reblock, bool):
             raise TypeError(f"AttentionQuant.reblock must be a bool, got {self.reblock!r}")
+        if not isinstance(self.rotate_qk, bool):
+            raise TypeError(f"AttentionQuant.rotate_qk must be a bool, got {self.rotate_qk!r}")
+        if self.rotate_qk and self.q is None and self.k is None:
+            raise ValueError("AttentionQuant.rotate_qk=True rotates Q and K to quantize them "
+                             "better, and neither q nor k is quantized: set q and/or k, or "
+                             "rotate_qk=False")
         if self.reblock and self.reuse is False:
             raise ValueError("AttentionQuant.reblock=True re-quantizes the tensors the backward "
                              "reuses, and reuse=False reuses none: set reuse=True (or a tuple "
@@ -119,7 +131,8 @@ class AttentionQuant:
         reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
         fresh = "" if self.requantize else "; the others unquantized in the backward"
         reblock = "; reused values re-blocked" if self.reblock else ""
-        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}"
+        rotate = "; Q, K Hadamard-rotated along head_dim" if self.rotate_qk else ""
+        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{rotate}"
 
 
 def _normalized_reuse(reuse) -> bool | tuple[str, ...]:

@@ -194,6 +194,13 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-tiles": fullstack_nvidia.with_(
             name="fullstack-nvidia-tiles",
             attention=AttentionQuant.tiled()),
+        # Q and K Hadamard-rotated along head_dim before quantization (QKᵀ unchanged; outliers
+        # spread over their 16-block, so fewer small values round to zero), with and without reuse.
+        "fullstack-nvidia-rotated": fullstack_nvidia.with_(
+            name="fullstack-nvidia-rotated", attention=AttentionQuant(rotate_qk=True)),
+        "fullstack-nvidia-rotated-noreuse": fullstack_nvidia.with_(
+            name="fullstack-nvidia-rotated-noreuse",
+            attention=AttentionQuant(rotate_qk=True, reuse=False)),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -211,7 +218,8 @@ PRESETS: dict[str, Recipe] = _presets()
 def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
-    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -hp-backward), qat-w,
+    fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
+    -rotated-noreuse, -hp-backward), qat-w,
     w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""

@@ -302,6 +302,51 @@ def test_reuse_recomputes_a_stochastic_p_with_the_forward_seed(spy):
     assert torch.equal(p_calls[0][0], p_calls[1][0])
 
 
+def test_no_reuse_recomputes_stochastic_q_k_scores_with_the_forward_seeds(spy):
+    """Stochastic Q, K without reuse: S in the backward is the forward's (same seeds, same
+    bits), while the operands of dQ and dK are fresh draws along the other dim."""
+    sr = QuantSpec(rounding="stochastic", nan_policy="propagate")
+    qkv, do = inputs(S=16, dtype=torch.float32)
+    run(qkv, do, config=AttentionQuant(q=sr, k=sr, reuse=False))
+    forward, backward = spy[:3], spy[3:]
+    for fwd in forward[:2]:  # Q and K along d, as S needs them
+        again = [c for c in backward if c[0].shape == fwd[0].shape and torch.equal(c[0], fwd[0])]
+        assert again and all(c[2] == fwd[2] for c in again)
+
+
+@pytest.mark.parametrize("rounding", [None, "rne"])
+def test_requantize_along_forward_dims_rounding_alike_is_reuse(rounding):
+    """Re-quantizing the unquantized Q, K, V along the forward's own block dims with the same
+    rounding gives the forward's bits: the same numbers as reuse."""
+    qkv, do = inputs(S=33, L=40, d=32, seed=4)
+    cfg = AttentionQuant(reuse=False, requantize_along="forward", requantize_rounding=rounding)
+    assert_all_close(run(qkv, do, config=cfg), run(qkv, do), rtol=0, atol=0)
+
+
+def test_requantize_with_stochastic_rounding_is_fresh_and_unbiased():
+    """requantize_rounding="stochastic": every backward draws new dQ/dK/dP operands (the
+    output and dV, which use none, stay put). With dS in high precision, dQ = dS K̃ multiplies
+    two independent draws (V in dS, K), so its mean over draws approaches dQ with the
+    unquantized V and K in those GEMMs (S and P still the forward's)."""
+    torch.manual_seed(0)  # the stochastic rounding's seeds come from torch's generator
+    qkv, do = inputs(S=32, d=32, seed=6)
+    cfg = AttentionQuant(ds=None, reuse=False, requantize_rounding="stochastic")
+    draws = [run(qkv, do, config=cfg) for _ in range(64)]
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][3], draws[1][3])
+    assert not torch.equal(draws[0][1], draws[1][1])
+    q, k, v = (t.detach().double() for t in qkv)
+    scale, mask = 1 / math.sqrt(32), causal_mask(32, 32)
+    qh, kh, vh = fq(q, -1), fq(k, -1), fq(v, -2)
+    p = ((qh @ kh.mT) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+    delta = (do * (p @ vh)).sum(-1, keepdim=True)
+    want = p * (do @ v.mT - delta) @ k * scale
+    rne = run(qkv, do, config=AttentionQuant(ds=None, reuse=False))[1]
+    assert torch.allclose(rne, p * (do @ fq(v, -1).mT - delta) @ fq(k, -2) * scale,
+                          rtol=1e-9, atol=1e-9)
+    mean = torch.stack([d[1] for d in draws]).mean(0)
+    assert (mean - want).norm() < 0.3 * (rne - want).norm()  # measured 0.21-0.26 over seeds
+
+
 # ---- masking, shapes, dtypes ---------------------------------------------------------------
 def test_future_tokens_get_zero_gradient_and_no_influence():
     qkv, do = inputs(S=48, d=16, dtype=torch.float32)
@@ -394,6 +439,18 @@ def test_config_validation():
         AttentionQuant(rotate_qk=1)
     with pytest.raises(ValueError, match="rotate_qk=True.*neither q nor k"):
         AttentionQuant(q=None, k=None, rotate_qk=True)
+    with pytest.raises(ValueError, match="requantize_along must be one of"):
+        AttentionQuant(reuse=False, requantize_along="keys")
+    with pytest.raises(ValueError, match="requantize_rounding must be None"):
+        AttentionQuant(reuse=False, requantize_rounding="sr")
+    with pytest.raises(ValueError, match="re-quantizes none: set reuse=False"):
+        AttentionQuant(requantize_along="forward")
+    with pytest.raises(ValueError, match="re-quantizes none"):
+        AttentionQuant(reuse=False, requantize=False, requantize_rounding="stochastic")
+    assert AttentionQuant(reuse=False, requantize_along="forward",
+                          requantize_rounding="stochastic").describe() == (
+        "quantized: q, k, v, ds; reuse=False; the others re-quantized along the forward dims, "
+        "stochastic rounding")
     assert AttentionQuant(rotate_qk=True).describe().endswith(
         "; Q, K Hadamard-rotated along head_dim")
     (q, k, v), _ = inputs(S=4, d=24)

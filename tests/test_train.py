@@ -363,7 +363,8 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
                                     "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock",
-                                    "fullstack-nvidia-tiles", "fullstack-nvidia-rotated"])
+                                    "fullstack-nvidia-tiles", "fullstack-nvidia-rotated",
+                                    "fullstack-nvidia-fresh-sr"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -378,7 +379,8 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
              "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k"),
              "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True,
              "fullstack-nvidia-tiles": True, "fullstack-nvidia-rotated": True,
-             "fullstack-nvidia-rotated-noreuse": False}
+             "fullstack-nvidia-rotated-noreuse": False, "fullstack-nvidia-fresh-sr": False,
+             "fullstack-nvidia-noreuse-sr": False}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
@@ -387,9 +389,12 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
         hp, reblock = name.endswith("hp-backward"), name.endswith("reblock")
         tiles = dict.fromkeys("qkv", NVFP4_TILES) if name.endswith("tiles") else {}
-        rotate = "rotated" in name
+        rotate, sr = "rotated" in name, name.endswith("-sr")
+        how = {"requantize_rounding": "stochastic"} if sr else {}
+        if name.endswith("fresh-sr"):
+            how["requantize_along"] = "forward"
         assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
-                                             rotate_qk=rotate, **tiles), name
+                                             rotate_qk=rotate, **tiles, **how), name
         assert ("Hadamard-rotated" in r.attention.describe()) == rotate, name
         assert r.attention.describe().count("16x16 tiles") == (3 if tiles else 0), name
     lowrank = PRESETS["lowrank-nvidia"]

@@ -29,7 +29,11 @@ reuse=False (the ablation): Q, K, V are saved unquantized and the backward re-qu
 its GEMM's reduction dim: V along d for dP, K along keys for dQ, Q along queries for dK, P along
 queries for dV (and Q, K along d again to recompute S). The backward then differentiates slightly
 different numbers from the ones the forward used. reuse=("v",), ("q", "k") and so on reuse the
-named tensors only (AttentionQuant), to find out which reuse matters.
+named tensors only (AttentionQuant), to find out which reuse matters. requantize_along="forward"
+re-quantizes them along the forward's block dims instead, and requantize_rounding="stochastic"
+with fresh stochastic rounding: the ablation of whether the block dims or the rounding make no
+reuse train better. S is always recomputed from the forward's Q̂, K̂ bits (a stochastic Q or K
+spec keeps its forward seed for that).
 reblock=True (with reuse): the reused values go into dP, dQ, dK (and dV for P̂) re-quantized
 along those GEMMs' reduction dims, with the forward's global amaxes: the forward's numbers in the
 blocks a native NVFP4 GEMM needs (reuse as such is only possible where the GEMM runs on
@@ -142,8 +146,11 @@ class _FP4AttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, allowed, scale: float, cfg: AttentionQuant):
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qh = quantize_along(q, cfg.q, -1, dt)  # blocks along d: QKᵀ reduces over d
-        kh = quantize_along(k, cfg.k, -1, dt)
+        # stochastic Q, K keep their seeds: the backward recomputes S from the same bits
+        q_seed, k_seed = (draw_seed() if spec is not None and spec.rounding == "stochastic"
+                          else None for spec in (cfg.q, cfg.k))
+        qh = quantize_along(q, cfg.q, -1, dt, q_seed)  # blocks along d: QKᵀ reduces over d
+        kh = quantize_along(k, cfg.k, -1, dt, k_seed)
         vh = quantize_along(v, cfg.v, -2, dt)  # blocks along keys: PV reduces over keys
         s = _scores(qh, kh, scale, allowed)
         lse = _log_sum_exp(s)
@@ -156,7 +163,8 @@ class _FP4AttentionFn(torch.autograd.Function):
         # quantization of the reused values
         amax = torch.stack([t.float().abs().amax() for t in (q, k, v)]) if cfg.reblock else None
         ctx.save_for_backward(*saved, o, lse, allowed, amax)
-        ctx.scale, ctx.cfg, ctx.p_seed, ctx.dt, ctx.in_dtype = scale, cfg, p_seed, dt, q.dtype
+        ctx.scale, ctx.cfg, ctx.dt, ctx.in_dtype = scale, cfg, dt, q.dtype
+        ctx.seeds = q_seed, k_seed, p_seed
         return o.to(q.dtype)
 
     @staticmethod
@@ -164,11 +172,19 @@ class _FP4AttentionFn(torch.autograd.Function):
         a, b, c, o, lse, allowed, amax = ctx.saved_tensors
         cfg, dt, scale = ctx.cfg, ctx.dt, ctx.scale
         do = do.to(dt)
+        q_seed, k_seed, p_seed = ctx.seeds
         # Reused: the forward's values (Q̂, K̂ along d, V̂ along keys, P̂ with its seed), with
         # reblock re-quantized along the GEMM's reduction dim at the forward's amax; else
-        # re-quantized from the unquantized tensor along each GEMM's reduction dim, or (not
-        # requantize) the unquantized tensor itself.
-        def fresh(t: Tensor, spec: QuantSpec | None, dim: int) -> Tensor:
+        # re-quantized from the unquantized tensor along each GEMM's reduction dim (or as
+        # requantize_along/requantize_rounding say), or (not requantize) the unquantized tensor
+        # itself. S is recomputed from the forward's Q̂, K̂ bits unless requantize=False.
+        def scores_operand(t: Tensor, spec: QuantSpec | None, seed: int | None) -> Tensor:
+            return quantize_along(t, spec if cfg.requantize else None, -1, dt, seed)
+
+        def fresh(t: Tensor, spec: QuantSpec | None, dim: int, forward_dim: int) -> Tensor:
+            if spec is not None and cfg.requantize_rounding is not None:
+                spec = replace(spec, rounding=cfg.requantize_rounding)
+            dim = forward_dim if cfg.requantize_along == "forward" else dim
             return quantize_along(t, spec if cfg.requantize else None, dim, dt)
 
         def reused(hat: Tensor, spec: QuantSpec | None, dim: int, amax: Tensor | None) -> Tensor:
@@ -178,18 +194,18 @@ class _FP4AttentionFn(torch.autograd.Function):
         if cfg.reuses("q"):
             qh, q_dk = a, reused(a, cfg.q, -2, amax[0])
         else:
-            qh, q_dk = fresh(a, cfg.q, -1), fresh(a, cfg.q, -2)
+            qh, q_dk = scores_operand(a, cfg.q, q_seed), fresh(a, cfg.q, -2, -1)
         if cfg.reuses("k"):
             kh, k_dq = b, reused(b, cfg.k, -2, amax[1])
         else:
-            kh, k_dq = fresh(b, cfg.k, -1), fresh(b, cfg.k, -2)
-        v_dp = reused(c, cfg.v, -1, amax[2]) if cfg.reuses("v") else fresh(c, cfg.v, -1)
+            kh, k_dq = scores_operand(b, cfg.k, k_seed), fresh(b, cfg.k, -2, -1)
+        v_dp = reused(c, cfg.v, -1, amax[2]) if cfg.reuses("v") else fresh(c, cfg.v, -1, -2)
         p = _probs(_scores(qh, kh, scale, allowed), lse)
         if cfg.reuses("p"):  # P is recomputed bit for bit, so its amax is the forward's
             p_amax = p.float().abs().amax() if cfg.reblock and cfg.p is not None else None
-            p_dv = reused(quantize_along(p, cfg.p, -1, dt, ctx.p_seed), cfg.p, -2, p_amax)
+            p_dv = reused(quantize_along(p, cfg.p, -1, dt, p_seed), cfg.p, -2, p_amax)
         else:
-            p_dv = fresh(p, cfg.p, -2)
+            p_dv = fresh(p, cfg.p, -2, -1)
         dv = p_dv.transpose(-2, -1) @ do
         dp = quantize_along(do, cfg.dp, -1, dt) @ v_dp.transpose(-2, -1)
         ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
@@ -269,8 +285,10 @@ def _tiled(config: AttentionQuant) -> bool:
 def _kernel_config(config: AttentionQuant) -> bool:
     """Whether the kernels compute `config`: the method's specs with any reuse, requantize,
     reblock and rotate_qk, and/or ds=None; or Q, K, V in 16x16 tiles with requantize and no
-    reblock (where every reuse gives the same numbers). Other specs stay on the reference."""
-    if config.ds not in (None, NVFP4_RNE):
+    reblock (where every reuse gives the same numbers). Other specs, and re-quantization along
+    other dims or with another rounding, stay on the reference."""
+    if config.ds not in (None, NVFP4_RNE) or config.requantize_along != "reduction" or \
+            config.requantize_rounding is not None:
         return False
     if _tiled(config):
         if config.reblock or not config.requantize:

@@ -14,6 +14,8 @@ from ..formats.spec import QuantSpec
 _FLAGS = ("q", "k", "v", "p", "ds", "dp")
 # The forward tensors the backward can reuse (reuse=True: all, False: none, or a tuple of these).
 _REUSABLE = ("q", "k", "v", "p")
+_REQUANTIZE_ALONG = ("reduction", "forward")
+_ROUNDINGS = ("rne", "stochastic")
 # The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
 NVFP4_RNE = QuantSpec(nan_policy="propagate")
 # The same in 16x16 tiles over a tensor's last two dims (tokens x head_dim for Q, K, V): one
@@ -35,6 +37,11 @@ class AttentionQuant:
     along each GEMM's reduction dim; False takes it unquantized, a high-precision backward for
     it (with Q and K, S is then recomputed from the unquantized tensors against the forward's
     log-sum-exp: the naive scheme Attn-QAT reports unstable).
+    requantize_along, requantize_rounding: how that re-quantization is done, for the ablation
+    of why reuse trains worse than re-quantizing. "reduction" (default): blocks along each
+    GEMM's reduction dim; "forward": along the dims the forward's blocks ran (d for Q and K,
+    keys for V and P), so only the rounding can differ from the forward's. The rounding is the
+    forward spec's (None) or "rne" / "stochastic" (a fresh draw per backward).
     reblock: what the backward does with a tensor it reuses in a GEMM whose reduction dim its
     blocks do not run along (Q̂ in dK, K̂ in dQ, V̂ in dP, P̂ in dV): False uses the forward's
     values as they are; True re-quantizes those values along the GEMM's reduction dim with the
@@ -60,6 +67,8 @@ class AttentionQuant:
     requantize: bool = True
     reblock: bool = False
     rotate_qk: bool = False
+    requantize_along: str = "reduction"
+    requantize_rounding: str | None = None
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -76,6 +85,18 @@ class AttentionQuant:
             raise TypeError(f"AttentionQuant.requantize must be a bool, got {self.requantize!r}")
         if not isinstance(self.reblock, bool):
             raise TypeError(f"AttentionQuant.reblock must be a bool, got {self.reblock!r}")
+        if self.requantize_along not in _REQUANTIZE_ALONG:
+            raise ValueError(f"AttentionQuant.requantize_along must be one of "
+                             f"{_REQUANTIZE_ALONG}, got {self.requantize_along!r}")
+        if self.requantize_rounding not in (None, *_ROUNDINGS):
+            raise ValueError(f"AttentionQuant.requantize_rounding must be None (the forward "
+                             f"spec's) or one of {_ROUNDINGS}, got {self.requantize_rounding!r}")
+        how = self.requantize_along != "reduction" or self.requantize_rounding is not None
+        if how and (self.reuse is True or not self.requantize):
+            raise ValueError("AttentionQuant.requantize_along/requantize_rounding say how the "
+                             "backward re-quantizes the tensors it does not reuse, and this "
+                             "config re-quantizes none: set reuse=False (or a tuple) and "
+                             "requantize=True")
         if not isinstance(self.rotate_qk, bool):
             raise TypeError(f"AttentionQuant.rotate_qk must be a bool, got {self.rotate_qk!r}")
         if self.rotate_qk and self.q is None and self.k is None:
@@ -132,7 +153,11 @@ class AttentionQuant:
         fresh = "" if self.requantize else "; the others unquantized in the backward"
         reblock = "; reused values re-blocked" if self.reblock else ""
         rotate = "; Q, K Hadamard-rotated along head_dim" if self.rotate_qk else ""
-        return f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{rotate}"
+        how = [f"along the {self.requantize_along} dims"] * (self.requantize_along != "reduction")
+        how += [f"{self.requantize_rounding} rounding"] * (self.requantize_rounding is not None)
+        how = f"; the others re-quantized {', '.join(how)}" if how else ""
+        return (f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{how}"
+                f"{rotate}")
 
 
 def _normalized_reuse(reuse) -> bool | tuple[str, ...]:

@@ -201,6 +201,16 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-rotated-noreuse": fullstack_nvidia.with_(
             name="fullstack-nvidia-rotated-noreuse",
             attention=AttentionQuant(rotate_qk=True, reuse=False)),
+        # Why no reuse beats reuse: fresh stochastic rounding of the unquantized Q, K, V in the
+        # forward's own block dims (only the rounding differs from reuse), and along each
+        # backward GEMM's reduction dims (as no reuse, with stochastic rounding).
+        "fullstack-nvidia-fresh-sr": fullstack_nvidia.with_(
+            name="fullstack-nvidia-fresh-sr",
+            attention=AttentionQuant(reuse=False, requantize_along="forward",
+                                     requantize_rounding="stochastic")),
+        "fullstack-nvidia-noreuse-sr": fullstack_nvidia.with_(
+            name="fullstack-nvidia-noreuse-sr",
+            attention=AttentionQuant(reuse=False, requantize_rounding="stochastic")),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -219,7 +229,7 @@ def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
-    -rotated-noreuse, -hp-backward), qat-w,
+    -rotated-noreuse, -fresh-sr, -noreuse-sr, -hp-backward), qat-w,
     w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""

@@ -485,6 +485,8 @@ def test_triton_configs():
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
                 AttentionQuant(dp=NVFP4_RNE), AttentionQuant(v=None, reuse=False),
                 AttentionQuant(ds=stochastic), AttentionQuant(q=QuantSpec(), ds=None),
+                AttentionQuant(reuse=False, requantize_rounding="stochastic"),
+                AttentionQuant(reuse=False, requantize_along="forward"),
                 AttentionQuant.off()):
         why = attention._triton_unsupported(q, cfg, None)
         assert "any reuse and ds=None, and Q, K, V in 16x16 tiles" in why, cfg

@@ -153,8 +153,11 @@ class AttentionQuant:
         fresh = "" if self.requantize else "; the others unquantized in the backward"
         reblock = "; reused values re-blocked" if self.reblock else ""
         rotate = "; Q, K Hadamard-rotated along head_dim" if self.rotate_qk else ""
-        how = [f"along the {self.requantize_along} dims"] * (self.requantize_along != "reduction")
-        how += [f"{self.requantize_rounding} rounding"] * (self.requantize_rounding is not None)
+        how = []
+        if self.requantize_along != "reduction":
+            how.append(f"along the {self.requantize_along} dims")
+        if self.requantize_rounding is not None:
+            how.append(f"{self.requantize_rounding} rounding")
         how = f"; the others re-quantized {', '.join(how)}" if how else ""
         return (f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{how}"
                 f"{rotate}")

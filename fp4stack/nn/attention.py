@@ -142,20 +142,24 @@ def _log_sum_exp(s: Tensor) -> Tensor:
     return torch.where(total > 0, lse, torch.full_like(lse, float("inf")))
 
 
+def _seed(spec: QuantSpec | None) -> int | None:
+    """A seed for a stochastic spec, kept so the backward can redraw the same values."""
+    return draw_seed() if spec is not None and spec.rounding == "stochastic" else None
+
+
 class _FP4AttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, allowed, scale: float, cfg: AttentionQuant):
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         # stochastic Q, K keep their seeds: the backward recomputes S from the same bits
-        q_seed, k_seed = (draw_seed() if spec is not None and spec.rounding == "stochastic"
-                          else None for spec in (cfg.q, cfg.k))
+        q_seed, k_seed = _seed(cfg.q), _seed(cfg.k)
         qh = quantize_along(q, cfg.q, -1, dt, q_seed)  # blocks along d: QKᵀ reduces over d
         kh = quantize_along(k, cfg.k, -1, dt, k_seed)
         vh = quantize_along(v, cfg.v, -2, dt)  # blocks along keys: PV reduces over keys
         s = _scores(qh, kh, scale, allowed)
         lse = _log_sum_exp(s)
         p = _probs(s, lse)
-        p_seed = draw_seed() if cfg.p is not None and cfg.p.rounding == "stochastic" else None
+        p_seed = _seed(cfg.p)
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
         saved = [hat if cfg.reuses(n) else raw
                  for n, hat, raw in (("q", qh, q), ("k", kh, k), ("v", vh, v))]

@@ -107,7 +107,7 @@ def quantize_along(t: Tensor, spec: QuantSpec | None, dim: int, dtype: torch.dty
     pad = (0, -n % _BLOCK, 0, -rows % _BLOCK if spec.is_2d else 0)
     if any(pad):
         x = F.pad(x, pad)
-    seed = draw_seed() if seed is None and spec.rounding == "stochastic" else seed
+    seed = _seed(spec) if seed is None else seed
     y = fake_quantize(x.contiguous(), spec=spec, seed=seed, amax=amax)[..., :rows, :n]
     return y.to(dtype) if spec.is_2d else y.to(dtype).movedim(-1, dim)
 

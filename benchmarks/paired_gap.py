@@ -92,7 +92,8 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        # the legend goes below the axes, where it hides no curve however many pairs there are
+        fig, ax = plt.subplots(figsize=(8, 4.5 + 0.18 * len(curves)))
         for index, (label, band) in enumerate(curves):
             steps, mean, lo, hi = zip(*((t, m, lo, hi) for t, (_, m, lo, hi) in band.items()),
                                       strict=True)
@@ -103,7 +104,7 @@ def main() -> None:
         ax.set_ylabel("validation loss, A relative to B (%)")
         ax.set_title("Paired by seed: mean and min..max over seeds; above 0, A is worse")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"written: {args.plot}")

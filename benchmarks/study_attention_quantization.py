@@ -29,7 +29,8 @@ computes everything on the GPU (still float64).
 
     python benchmarks/study_attention_quantization.py \
         --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
-        --config configs/pretrain/tiny.yaml [--weight-grads 8] [--device cuda --kernels]
+        --config configs/pretrain/tiny.yaml [--weight-grads 8] [--device cuda --kernels] \
+        [--only stochastic "reuse (default)"]
     python benchmarks/study_attention_quantization.py --model smollm2 --tokens 512
 """
 
@@ -45,7 +46,7 @@ from fp4stack.formats.hadamard import rht, rht_inverse
 from fp4stack.models import GPT
 from fp4stack.models.gpt import Attention
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention, quantize_along
-from fp4stack.nn.attention_quant import NVFP4_TILES
+from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.train.config import load_config
 from fp4stack.train.trainer import open_data
 
@@ -61,6 +62,14 @@ CONFIGS = {
     "Q, K rotated; Q, K, V, dS; reuse": AttentionQuant(rotate_qk=True),
     "Q, K rotated; Q, K, V, dS; no reuse": AttentionQuant(rotate_qk=True, reuse=False),
     "Q, K, V, dS; high-precision backward": AttentionQuant(reuse=False, requantize=False),
+    "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims": AttentionQuant(
+        reuse=False, requantize_along="forward", requantize_rounding="stochastic"),
+    "Q, K, V, dS; no reuse, stochastic rounding": AttentionQuant(
+        reuse=False, requantize_rounding="stochastic"),
+    "Q, K, V stochastically rounded, dS; reuse": AttentionQuant(
+        q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
+    "Q, K, V stochastically rounded, dS; no reuse": AttentionQuant(
+        q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
     "V only": AttentionQuant.only("v"),
@@ -177,9 +186,11 @@ def run(cfg: AttentionQuant, q, k, v, do, backend: str = "torch"):
 
 
 def has_own_forward(cfg: AttentionQuant) -> bool:
-    """Whether the forward is attention on Q̂, K̂, V̂ (all three quantized, P not): the
-    configurations the "vs own forward" columns are defined for."""
-    return None not in (cfg.q, cfg.k, cfg.v) and cfg.p is None
+    """Whether the forward is attention on Q̂, K̂, V̂ (all three quantized, deterministically;
+    P not): the configurations the "vs own forward" columns are defined for."""
+    specs = (cfg.q, cfg.k, cfg.v)
+    return None not in specs and cfg.p is None and \
+        all(s.rounding != "stochastic" for s in specs)
 
 
 def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
@@ -218,6 +229,7 @@ def table(samples, title: str) -> None:
           "dq vs own forward | dk vs own forward | dv vs own forward |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, cfg in CONFIGS.items():
+        torch.manual_seed(0)  # a stochastic row draws the same whichever rows ran before it
         rows = [errors(cfg, s, r) for s, r in zip(samples, refs, strict=True)]
         means = [f"{sum(col) / len(col):.2e}" for col in zip(*rows, strict=True)]
         means += ["-"] * (7 - len(means))
@@ -263,7 +275,10 @@ WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V; reuse (dS high precision)", "Q, K, V; no reuse (dS high precision)",
     "Q, K, V, dS; reuse, re-blocked", "Q, K, V in 16x16 tiles, dS; reuse",
     "Q, K rotated; Q, K, V, dS; reuse", "Q, K rotated; Q, K, V, dS; no reuse",
-    "Q, K, V, dS; high-precision backward")}
+    "Q, K, V, dS; high-precision backward",
+    "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims",
+    "Q, K, V, dS; no reuse, stochastic rounding", "Q, K, V stochastically rounded, dS; reuse",
+    "Q, K, V stochastically rounded, dS; no reuse")}
 
 
 def weight_grads(checkpoint: Path, config: str, batches: int, attention: AttentionQuant,
@@ -314,6 +329,7 @@ def weight_grad_table(checkpoint: Path, config: str, batches: int, device: str) 
     want = [sum(e[n] for e in exact_grads) for n in every]
     want_adam = adam_normalised(exact_grads, every)
     for name, cfg in WEIGHT_GRAD_CONFIGS.items():
+        torch.manual_seed(0)
         got = weight_grads(checkpoint, config, batches, cfg, device)
         cells = []
         for key in groups:
@@ -363,7 +379,15 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="where to compute (float64), e.g. cuda")
     p.add_argument("--kernels", action="store_true",
                    help="also the Triton kernels' table on the real activations (CUDA)")
+    p.add_argument("--only", nargs="+", metavar="TEXT",
+                   help="only the settings whose name contains one of these (e.g. stochastic)")
     args = p.parse_args()
+    if args.only:
+        for configs in (CONFIGS, KERNEL_CONFIGS, WEIGHT_GRAD_CONFIGS):
+            for name in [n for n in configs if not any(s in n for s in args.only)]:
+                del configs[name]
+        if not CONFIGS:
+            p.error(f"--only {' '.join(args.only)} matches no setting")
     if args.model and args.weight_grads:
         p.error("--weight-grads needs --checkpoint (a GPT trained by fp4stack)")
     torch.manual_seed(0)
@@ -371,11 +395,11 @@ def main() -> None:
         real = capture_hf(args.model, args.tokens, args.device)
     else:
         real = capture(args.checkpoint, args.config, args.batches, args.device)
+    gauss = [tuple(torch.randn(t.shape, dtype=torch.float64, device=t.device) for t in s)
+             for s in real]
     table(real, f"Real activations: {args.model or args.checkpoint}")
     if args.kernels:
         kernel_table(real)
-    gauss = [tuple(torch.randn(t.shape, dtype=torch.float64, device=t.device) for t in s)
-             for s in real]
     table(gauss, "Unit Gaussian q, k, v, dO of the same shapes")
     if args.weight_grads:
         weight_grad_table(args.checkpoint, args.config, args.weight_grads, args.device)

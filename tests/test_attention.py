@@ -12,6 +12,7 @@ from fp4stack import QuantSpec, fake_quantize
 from fp4stack.formats import hadamard
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.attention import AttentionQuant, fp4_attention, use_fp4_attention
+from fp4stack.nn.attention_quant import NVFP4_SR
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 
@@ -312,6 +313,22 @@ def test_no_reuse_recomputes_stochastic_q_k_scores_with_the_forward_seeds(spy):
     for fwd in forward[:2]:  # Q and K along d, as S needs them
         again = [c for c in backward if c[0].shape == fwd[0].shape and torch.equal(c[0], fwd[0])]
         assert again and all(c[2] == fwd[2] for c in again)
+
+
+def test_reuse_of_stochastic_q_k_v_is_attention_on_the_forward_draws():
+    """Stochastic Q, K, V with reuse: the output and gradients are exactly those of attention
+    on the forward's own draws with only dS quantized, and the next call draws anew."""
+    torch.manual_seed(0)  # the stochastic rounding's seeds come from torch's generator
+    qkv, do = inputs(S=24, L=40, d=32, seed=2)
+    cfg = AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv)
+    o = fp4_attention(q, k, v, config=cfg)
+    draws = [t.clone() for t in o.grad_fn.saved_tensors[:3]]
+    o.backward(do)
+    assert not torch.equal(draws[0], fq(q, -1))  # not round-to-nearest
+    want = run(draws, do, config=AttentionQuant(q=None, k=None, v=None))
+    assert_all_close((o.detach(), q.grad, k.grad, v.grad), want, rtol=0, atol=0)
+    assert not torch.equal(run(qkv, do, config=cfg)[0], o.detach())
 
 
 @pytest.mark.parametrize("rounding", [None, "rne"])

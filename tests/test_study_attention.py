@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import study_attention_quantization as study  # noqa: E402
 
 from fp4stack.nn.attention import AttentionQuant  # noqa: E402
+from fp4stack.nn.attention_quant import NVFP4_SR  # noqa: E402
 
 
 def sample(seed: int = 0, shape=(1, 2, 24, 16)):
@@ -41,6 +42,9 @@ def test_own_forward_is_what_reuse_differentiates():
     got = study.run(AttentionQuant.tiled(ds=None), *s)
     assert min((a - b).norm() / b.norm() for a, b in zip(got[1:3], refs[1][1:3], strict=True)
                ) > 0.02
+    # a stochastic forward has no one own forward to compare with
+    sr = AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, ds=None)
+    assert len(study.errors(sr, s, refs)) == 4
 
 
 def test_kernel_table_adds_little_to_the_reference(capsys):

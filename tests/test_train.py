@@ -21,7 +21,7 @@ from fp4stack.cli import main
 from fp4stack.data import write_shard
 from fp4stack.models.gpt import GPT
 from fp4stack.nn.attention import AttentionQuant
-from fp4stack.nn.attention_quant import NVFP4_TILES
+from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.nn.recipe import PRESETS, LowRank
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
@@ -364,7 +364,7 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
                                     "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock",
                                     "fullstack-nvidia-tiles", "fullstack-nvidia-rotated",
-                                    "fullstack-nvidia-fresh-sr"])
+                                    "fullstack-nvidia-fresh-sr", "fullstack-nvidia-sr-qkv"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -380,7 +380,8 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
              "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True,
              "fullstack-nvidia-tiles": True, "fullstack-nvidia-rotated": True,
              "fullstack-nvidia-rotated-noreuse": False, "fullstack-nvidia-fresh-sr": False,
-             "fullstack-nvidia-noreuse-sr": False}
+             "fullstack-nvidia-noreuse-sr": False, "fullstack-nvidia-sr-qkv": True,
+             "fullstack-nvidia-sr-qkv-noreuse": False}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
@@ -388,15 +389,17 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         assert r.keep_first_blocks == r.keep_last_blocks == 0
         assert r.lowrank == fullstack.lowrank and r.optimizer_states == "nvfp4"
         hp, reblock = name.endswith("hp-backward"), name.endswith("reblock")
-        tiles = dict.fromkeys("qkv", NVFP4_TILES) if name.endswith("tiles") else {}
+        qkv = NVFP4_TILES if name.endswith("tiles") else NVFP4_SR if "sr-qkv" in name else None
+        specs = dict.fromkeys("qkv", qkv) if qkv else {}
         rotate, sr = "rotated" in name, name.endswith("-sr")
         how = {"requantize_rounding": "stochastic"} if sr else {}
         if name.endswith("fresh-sr"):
             how["requantize_along"] = "forward"
         assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
-                                             rotate_qk=rotate, **tiles, **how), name
+                                             rotate_qk=rotate, **specs, **how), name
         assert ("Hadamard-rotated" in r.attention.describe()) == rotate, name
-        assert r.attention.describe().count("16x16 tiles") == (3 if tiles else 0), name
+        assert r.attention.describe().count("16x16 tiles") == (
+            3 if name.endswith("tiles") else 0), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

@@ -18,6 +18,9 @@ _REQUANTIZE_ALONG = ("reduction", "forward")
 _ROUNDINGS = ("rne", "stochastic")
 # The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
 NVFP4_RNE = QuantSpec(nan_policy="propagate")
+# The same with stochastic rounding (a fresh draw per call): for Q, K, V, a forward whose rounding
+# error is random from step to step, which the backward still shares when it reuses Q̂, K̂, V̂.
+NVFP4_SR = QuantSpec(rounding="stochastic", nan_policy="propagate")
 # The same in 16x16 tiles over a tensor's last two dims (tokens x head_dim for Q, K, V): one
 # quantization whose blocks run along both, so every GEMM can take it (see fp4stack.nn.attention).
 NVFP4_TILES = QuantSpec(block=(16, 16), nan_policy="propagate")

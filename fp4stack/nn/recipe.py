@@ -15,6 +15,7 @@ from typing import Literal
 
 from ..formats.spec import QuantSpec
 from .attention import AttentionQuant
+from .attention_quant import NVFP4_SR
 
 WeightStorage = Literal["master", "packed"]
 
@@ -211,6 +212,15 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-noreuse-sr": fullstack_nvidia.with_(
             name="fullstack-nvidia-noreuse-sr",
             attention=AttentionQuant(reuse=False, requantize_rounding="stochastic")),
+        # Whether sharing the forward's rounding hurts even when that rounding is random from
+        # step to step: Q, K, V stochastically rounded in the forward, reused or re-quantized
+        # (fresh draws along each backward GEMM's reduction dims).
+        "fullstack-nvidia-sr-qkv": fullstack_nvidia.with_(
+            name="fullstack-nvidia-sr-qkv",
+            attention=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR)),
+        "fullstack-nvidia-sr-qkv-noreuse": fullstack_nvidia.with_(
+            name="fullstack-nvidia-sr-qkv-noreuse",
+            attention=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False)),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -229,7 +239,7 @@ def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
-    -rotated-noreuse, -fresh-sr, -noreuse-sr, -hp-backward), qat-w,
+    -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -hp-backward), qat-w,
     w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""

@@ -25,7 +25,7 @@ import fp4stack.nn.attention as attention
 from fp4stack import fake_quantize
 from fp4stack.formats.spec import QuantSpec
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention
-from fp4stack.nn.attention_quant import NVFP4_TILES
+from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 
 pytest.importorskip("triton")
 from fp4stack.kernels import attention as fwd_kernels  # noqa: E402
@@ -276,7 +276,7 @@ def test_backend_choice():
         fp4_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="mask"):
         fp4_attention(q, k, v, mask=torch.ones(8, 8, dtype=torch.bool), backend="triton")
-    with pytest.raises(ValueError, match="default config, any reuse and ds=None, and Q, K, V in"):
+    with pytest.raises(ValueError, match="method.s specs .* any reuse and ds=None, and Q, K, V in"):
         fp4_attention(q, k, v, config=AttentionQuant.only("q"), backend="triton")
     with pytest.raises(ValueError, match="head_dim"):
         fp4_attention(q[..., :8], k[..., :8], v[..., :8], backend="triton")
@@ -401,9 +401,9 @@ def test_ablation_backward_matches_reference(name, S, L, d, deterministic, causa
 @pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH, HP_BWD_V, REBLOCK],
                          ids=["noreuse", "ds_hp", "both", "hp_bwd_v", "reblock"])
 def test_ablation_gqa(cfg):
-    """GQA through fp4_attention (K/V heads indexed in-kernel; the reference repeats them,
-    which changes none of K's or V's blocks along either axis), causal, with a scale. Measured
-    max abs error over the three configs: 8.1e-7."""
+    """GQA through fp4_attention (K/V heads indexed in-kernel; the reference quantizes them
+    per K/V head and repeats them), causal, with a scale. Measured max abs error over the three
+    configs: 8.1e-7."""
     q, k, v = draw(1, 4, 17, 21, 16, seed=23)
     k, v = k[:, :2], v[:, :2]
     do = draw(1, 4, 17, 1, 16, seed=24)[0]
@@ -472,6 +472,58 @@ def test_ablation_bf16(cfg, rel):
         assert err.norm() / b.norm() < rel, name
 
 
+# Stochastic rounding: of the forward's Q, K, V (reused, or with fresh draws in the backward),
+# or only of the backward's re-quantization (along the forward's dims or the reduction's).
+STOCHASTIC = dict(
+    sr_qkv=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
+    sr_qkv_noreuse=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
+    sr_k_reuse_v=AttentionQuant(k=NVFP4_SR, reuse=("v",), requantize_rounding="rne"),
+    fresh_sr=AttentionQuant(reuse=False, requantize_along="forward",
+                            requantize_rounding="stochastic"),
+    noreuse_sr=AttentionQuant(reuse=False, requantize_rounding="stochastic", ds=None),
+    sr_hp_bwd=AttentionQuant(q=NVFP4_SR, v=NVFP4_SR, reuse=False, requantize=False),
+)
+
+
+@pytest.mark.parametrize("axis, dim", [(1, -1), (0, -2)])
+@pytest.mark.parametrize("n", [21, 32])
+def test_stochastic_units_bit_exact(axis, dim, n):
+    """quantize_units with a seed draws what the reference's quantize_along draws for that
+    seed, element for element, along d and along the rows (padded to whole blocks); another
+    seed draws otherwise, and the rounding is not round-to-nearest."""
+    q, k, _ = draw(2, 3, n, 5, 32, seed=41)
+    amax = fwd_kernels.amaxes(q, k, k)
+    tile = fwd_kernels.tiles_for(q, None)["quant"]
+    dec = amax[0] * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
+    got = fwd_kernels.quantize_units(q, amax, axis, tile, seed=12345) * dec
+    want = attention.quantize_along(q, NVFP4_SR, dim, torch.float32, 12345, amax=amax[0])
+    assert torch.equal(got, want)
+    other = fwd_kernels.quantize_units(q, amax, axis, tile, seed=12346) * dec
+    assert not torch.equal(other, got) and not torch.equal(got, fq_along(q, dim, amax[0]))
+
+
+@pytest.mark.parametrize("S, L, d, Hkv", [(17, 21, 16, 2), (33, 33, 32, 1)])
+@pytest.mark.parametrize("name", STOCHASTIC)
+def test_stochastic_matches_reference(name, S, L, d, Hkv):
+    """Stochastic configs through fp4_attention, kernels against the reference after the same
+    torch.manual_seed: the seeds are drawn in the same order and each K/V head is quantized
+    once (GQA: Hkv of 4 query heads), so every rounding matches and only the order of the sums
+    differs (within GRAD_TOL). The draws matter: the gradients move away from the
+    round-to-nearest config's."""
+    cfg = STOCHASTIC[name]
+    q, k, v = draw(1, 4, S, L, d, seed=S + L + d)
+    k, v = k[:, :Hkv], v[:, :Hkv]
+    do = draw(1, 4, S, 1, d, seed=S + 5)[0]
+    torch.manual_seed(7)
+    got = grads(q, k, v, do, True, "triton", config=cfg)
+    torch.manual_seed(7)
+    assert_grads_close(got, grads(q, k, v, do, True, "torch", config=cfg), **GRAD_TOL)
+    rne = replace(cfg, **{n: NVFP4_RNE for n in "qkv" if getattr(cfg, n) == NVFP4_SR},
+                  requantize_rounding=None)
+    nearest = grads(q, k, v, do, True, "triton", config=rne)
+    assert max((a - b).abs().max() for a, b in zip(got[1:], nearest[1:], strict=True)) > 1e-3
+
+
 def test_triton_configs():
     """_triton_unsupported accepts the default config and its ablations (reuse, requantize, ds);
     any other spec or flag stays on the reference, and backend="triton" says why."""
@@ -481,12 +533,15 @@ def test_triton_configs():
     for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled,
                 *rotated):
         assert attention._triton_unsupported(q, cfg, None) == "", cfg
-    stochastic = QuantSpec(rounding="stochastic", nan_policy="propagate")
+    for cfg in STOCHASTIC.values():
+        assert attention._triton_unsupported(q, cfg, None) == "", cfg
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
                 AttentionQuant(dp=NVFP4_RNE), AttentionQuant(v=None, reuse=False),
-                AttentionQuant(ds=stochastic), AttentionQuant(q=QuantSpec(), ds=None),
-                AttentionQuant(reuse=False, requantize_rounding="stochastic"),
-                AttentionQuant(reuse=False, requantize_along="forward"),
+                AttentionQuant(ds=NVFP4_SR), AttentionQuant(q=QuantSpec(), ds=None),
+                AttentionQuant(q=QuantSpec(rounding="stochastic")),
+                AttentionQuant(q=NVFP4_SR, reblock=True),
+                AttentionQuant(reuse=("v",), reblock=True, requantize_rounding="stochastic"),
+                replace(TILED, reuse=False, requantize_rounding="stochastic"),
                 AttentionQuant.off()):
         why = attention._triton_unsupported(q, cfg, None)
         assert "any reuse and ds=None, and Q, K, V in 16x16 tiles" in why, cfg

@@ -112,7 +112,7 @@ def ds_operand(ds, ds_amax, AXIS: tl.constexpr, QUANT_DS: tl.constexpr, DOT_TY: 
     (the dot's result times ds_amax / 2688 is dŜ's product). Else (ds=None) the raw dS rounded to
     the dot dtype, as P is for dV: exact for fp32 inputs, bf16/fp16 rounding for 16-bit ones."""
     if QUANT_DS:
-        x, _ = quantize_tile(ds, ds_amax, AXIS, SCALE_MAX)
+        x, _ = quantize_tile(ds, ds_amax, AXIS, SCALE_MAX, ds, False)
     else:
         x = ds.to(DOT_TY)
     return x.to(MMA_TY)

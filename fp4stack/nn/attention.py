@@ -57,13 +57,19 @@ and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute
 
 Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
 attention_bwd (backward) for CUDA tensors when the config is the default or one of its ablations
-AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), or Q, K, V in 16x16
-tiles (with requantize and without reblock), any of them with rotate_qk, mask is None, head_dim
-is 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
-same quantized values (bit-exact tiles) and sums in another order (ds=None with 16-bit inputs:
-dS is rounded to that dtype for its dots, where the reference keeps fp32). Everything else (p or
-dp quantized, q, k or v not, other specs such as stochastic rounding), and CPU tensors, run this
-module's torch reference (backend="torch" forces it).
+AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), Q, K, V rounded
+stochastically (NVFP4_SR) or re-quantized in the backward as requantize_along /
+requantize_rounding say (not with reblock), or Q, K, V in 16x16 tiles (with requantize and
+without reblock), any of them with rotate_qk, mask is None, head_dim is 16/32/64/128 and the
+dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the same quantized values
+(bit-exact tiles; stochastic ones with the same seeds, drawn in the same order) and sums in
+another order (ds=None with 16-bit inputs: dS is rounded to that dtype for its dots, where the
+reference keeps fp32). Everything else (p or dp quantized, q, k or v not, other specs), and CPU
+tensors, run this module's torch reference (backend="torch" forces it).
+
+Grouped-query attention: K and V are quantized once per K/V head, then repeated for the query
+heads that read them (as the kernels index them), so a stochastic rounding of K or V draws once
+per K/V head.
 
 Causality caveat: V's blocks run along keys, so a past token's V̂ shares its block scale with up to
 15 later tokens, and every quantizer's global amax spans all positions. Masked keys still get zero
@@ -83,7 +89,7 @@ from ..api import fake_quantize
 from ..formats.hadamard import rht
 from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
-from .attention_quant import NVFP4_RNE, NVFP4_TILES, AttentionQuant
+from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant
 
 _BLOCK = 16
 
@@ -147,28 +153,52 @@ def _seed(spec: QuantSpec | None) -> int | None:
     return draw_seed() if spec is not None and spec.rounding == "stochastic" else None
 
 
+def _fresh_spec(cfg: AttentionQuant, spec: QuantSpec | None) -> QuantSpec | None:
+    """The spec the backward re-quantizes a tensor it does not reuse with: the forward's, with
+    requantize_rounding's rounding where set."""
+    if spec is not None and cfg.requantize_rounding is not None:
+        spec = replace(spec, rounding=cfg.requantize_rounding)
+    return spec
+
+
+def _repeat_heads(t: Tensor, groups: int) -> Tensor:
+    """K or V heads repeated for grouped-query attention (query head h reads head h // groups)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_heads(t: Tensor, groups: int) -> Tensor:
+    """The gradient of _repeat_heads: each K/V head's sum over the query heads that read it."""
+    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
+
+
 class _FP4AttentionFn(torch.autograd.Function):
+    """K and V come with their own heads (grouped-query attention: fewer than Q's) and are
+    quantized so, once per K/V head as a kernel does, then repeated for the query heads that
+    read them (a stochastic rounding draws once per K/V head, not once per query head)."""
+
     @staticmethod
     def forward(ctx, q, k, v, allowed, scale: float, cfg: AttentionQuant):
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        groups = q.shape[1] // k.shape[1]
         # stochastic Q, K keep their seeds: the backward recomputes S from the same bits
         q_seed, k_seed = _seed(cfg.q), _seed(cfg.k)
         qh = quantize_along(q, cfg.q, -1, dt, q_seed)  # blocks along d: QKᵀ reduces over d
         kh = quantize_along(k, cfg.k, -1, dt, k_seed)
         vh = quantize_along(v, cfg.v, -2, dt)  # blocks along keys: PV reduces over keys
+        saved = [hat if cfg.reuses(n) else raw
+                 for n, hat, raw in (("q", qh, q), ("k", kh, k), ("v", vh, v))]
+        kh, vh = _repeat_heads(kh, groups), _repeat_heads(vh, groups)
         s = _scores(qh, kh, scale, allowed)
         lse = _log_sum_exp(s)
         p = _probs(s, lse)
         p_seed = _seed(cfg.p)
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
-        saved = [hat if cfg.reuses(n) else raw
-                 for n, hat, raw in (("q", qh, q), ("k", kh, k), ("v", vh, v))]
         # reblock: Q's, K's and V's global amaxes (the forward's scales) for the second
         # quantization of the reused values
         amax = torch.stack([t.float().abs().amax() for t in (q, k, v)]) if cfg.reblock else None
         ctx.save_for_backward(*saved, o, lse, allowed, amax)
         ctx.scale, ctx.cfg, ctx.dt, ctx.in_dtype = scale, cfg, dt, q.dtype
-        ctx.seeds = q_seed, k_seed, p_seed
+        ctx.seeds, ctx.groups = (q_seed, k_seed, p_seed), groups
         return o.to(q.dtype)
 
     @staticmethod
@@ -186,10 +216,8 @@ class _FP4AttentionFn(torch.autograd.Function):
             return quantize_along(t, spec if cfg.requantize else None, -1, dt, seed)
 
         def fresh(t: Tensor, spec: QuantSpec | None, dim: int, forward_dim: int) -> Tensor:
-            if spec is not None and cfg.requantize_rounding is not None:
-                spec = replace(spec, rounding=cfg.requantize_rounding)
             dim = forward_dim if cfg.requantize_along == "forward" else dim
-            return quantize_along(t, spec if cfg.requantize else None, dim, dt)
+            return quantize_along(t, _fresh_spec(cfg, spec) if cfg.requantize else None, dim, dt)
 
         def reused(hat: Tensor, spec: QuantSpec | None, dim: int, amax: Tensor | None) -> Tensor:
             return quantize_along(hat, spec, dim, dt, amax=amax) if cfg.reblock else hat
@@ -204,6 +232,7 @@ class _FP4AttentionFn(torch.autograd.Function):
         else:
             kh, k_dq = scores_operand(b, cfg.k, k_seed), fresh(b, cfg.k, -2, -1)
         v_dp = reused(c, cfg.v, -1, amax[2]) if cfg.reuses("v") else fresh(c, cfg.v, -1, -2)
+        kh, k_dq, v_dp = (_repeat_heads(t, ctx.groups) for t in (kh, k_dq, v_dp))
         p = _probs(_scores(qh, kh, scale, allowed), lse)
         if cfg.reuses("p"):  # P is recomputed bit for bit, so its amax is the forward's
             p_amax = p.float().abs().amax() if cfg.reblock and cfg.p is not None else None
@@ -215,6 +244,7 @@ class _FP4AttentionFn(torch.autograd.Function):
         ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
         dq = (quantize_along(ds, cfg.ds, -1, dt) @ k_dq) * scale
         dk = (quantize_along(ds, cfg.ds, -2, dt).transpose(-2, -1) @ q_dk) * scale
+        dk, dv = _sum_heads(dk, ctx.groups), _sum_heads(dv, ctx.groups)
         out = ctx.in_dtype
         return dq.to(out), dk.to(out), dv.to(out), None, None, None
 
@@ -233,9 +263,10 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     backend: "torch" this module's reference; "triton" the flash kernels of
     fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
-    the default config with any reuse and/or ds=None, and to Q, K, V in 16x16 tiles, with
-    mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU tensors only
-    under the Triton interpreter (TRITON_INTERPRET=1).
+    the default config with any reuse and/or ds=None, with Q, K, V rounded to nearest or
+    stochastically and any requantize_along / requantize_rounding, and to Q, K, V in 16x16
+    tiles, with mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU
+    tensors only under the Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config
     if not isinstance(config, AttentionQuant):
@@ -264,11 +295,7 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
         # GQA heads indexed in-kernel; tiles serve every GEMM, so any reuse is full reuse
         tiled = _tiled(config)
         reused = tuple(n for n in "qkv" if tiled or config.reuses(n))
-        return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config.requantize,
-                                        config.reblock, config.ds is not None, tiled)
-    H, Hkv = q.shape[1], k.shape[1]
-    if Hkv != H:  # repeating a K/V head changes none of its blocks nor the global amax
-        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config, tiled)
     allowed = _allowed(S, L, causal, mask, q.device)
     return _FP4AttentionFn.apply(q, k, v, allowed, scale, config)
 
@@ -287,19 +314,26 @@ def _tiled(config: AttentionQuant) -> bool:
 
 
 def _kernel_config(config: AttentionQuant) -> bool:
-    """Whether the kernels compute `config`: the method's specs with any reuse, requantize,
-    reblock and rotate_qk, and/or ds=None; or Q, K, V in 16x16 tiles with requantize and no
-    reblock (where every reuse gives the same numbers). Other specs, and re-quantization along
-    other dims or with another rounding, stay on the reference."""
-    if config.ds not in (None, NVFP4_RNE) or config.requantize_along != "reduction" or \
-            config.requantize_rounding is not None:
+    """Whether the kernels compute `config`: the method's specs, each of Q, K, V rounded to
+    nearest (NVFP4_RNE) or stochastically (NVFP4_SR), with any reuse, requantize,
+    requantize_along, requantize_rounding and rotate_qk, reblock (round to nearest only), and/or
+    ds=None; or Q, K, V in 16x16 tiles with requantize and no reblock (where every reuse gives
+    the same numbers). Other specs stay on the reference."""
+    if config.ds not in (None, NVFP4_RNE):
         return False
+    how = dict(requantize_along="reduction", requantize_rounding=None)
     if _tiled(config):
-        if config.reblock or not config.requantize:
+        if config.reblock or not config.requantize or replace(config, **how) != config:
             return False
         config = replace(config, q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE)
+    specs = [config.q, config.k, config.v]
+    if any(s not in (NVFP4_RNE, NVFP4_SR) for s in specs):
+        return False
+    if config.reblock and (NVFP4_SR in specs or config.requantize_rounding == "stochastic"):
+        return False
     # rotate_qk happens before either backend sees Q and K
-    flags = dict(reuse=True, requantize=True, reblock=False, ds=NVFP4_RNE, rotate_qk=False)
+    flags = dict(q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE, reuse=True, requantize=True,
+                 reblock=False, ds=NVFP4_RNE, rotate_qk=False, **how)
     return replace(config, **flags) == AttentionQuant.paper()
 
 
@@ -308,8 +342,9 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
     from ..kernels import available
 
     if not _kernel_config(config):
-        return ("the kernels compute the default config, any reuse and ds=None, and Q, K, V in "
-                f"16x16 tiles (requantize, no reblock) only, got {config.describe()}")
+        return ("the kernels compute the method's specs (Q, K, V rounded to nearest or "
+                "stochastically), any reuse and ds=None, and Q, K, V in 16x16 tiles "
+                f"(requantize, no reblock) only, got {config.describe()}")
     if mask is not None:
         return "the kernels take no mask (causal or none only)"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -328,28 +363,30 @@ def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) 
 class _TritonAttentionFn(torch.autograd.Function):
     """The flash kernels. For each of Q, K, V the forward saves its units if the backward
     reuses it (tensor reuse), else the raw tensor, as the reference does, which the backward
-    re-quantizes along each GEMM's reduction dim (attention.backward_operands): the same saved
-    memory either way, at the price of up to five quantize passes in the backward (cheap next
-    to attention) rather than saving up to five units tensors for as long as the graph lives.
-    All save O, lse and the amaxes. reused: the names of q, k, v that the backward reuses;
-    requantize False: it takes the others unquantized (attention.unquantized_operands);
-    reblock: the reused units are re-quantized along each GEMM's reduction dim
-    (attention.reblocked_operands)."""
+    re-quantizes (attention.backward_operands): the same saved memory either way, at the price
+    of up to five quantize passes in the backward (cheap next to attention) rather than saving
+    up to five units tensors for as long as the graph lives. All save O, lse and the amaxes.
+    reused: the names of q, k, v that the backward reuses; config.requantize False: it takes
+    the others unquantized (attention.unquantized_operands); config.reblock: the reused units
+    are re-quantized along each GEMM's reduction dim (attention.reblocked_operands). Stochastic
+    roundings draw their seeds in the reference's order (Q, K, V in the forward; Q̂ for dK, K̂
+    for dQ, V̂ for dP in the backward), so both backends give the same bits after one
+    torch.manual_seed."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
-                requantize: bool, reblock: bool, quant_ds: bool, tiled: bool):
+                cfg: AttentionQuant, tiled: bool):
         from ..kernels import attention as kernel
 
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
-        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"], tiled)
+        seeds = (_seed(cfg.q), _seed(cfg.k), _seed(cfg.v)) if not tiled else (None,) * 3
+        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
         out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
         ctx.save_for_backward(*saved, out, lse, amax)
-        ctx.causal, ctx.scale, ctx.tiles = causal, scale, tiles
-        ctx.reused, ctx.requantize, ctx.reblock, ctx.quant_ds = reused, requantize, reblock, \
-            quant_ds
+        ctx.causal, ctx.scale, ctx.tiles, ctx.reused, ctx.cfg = causal, scale, tiles, reused, cfg
+        ctx.score_seeds = seeds[:2]
         return out
 
     @staticmethod
@@ -359,23 +396,26 @@ class _TritonAttentionFn(torch.autograd.Function):
         from ..kernels.attention_bwd import backward_units
 
         a, b, c, out, lse, amax = ctx.saved_tensors
-        alt = {}
-        if ctx.reused == ("q", "k", "v") and not ctx.reblock:
+        cfg, alt = ctx.cfg, {}
+        if ctx.reused == ("q", "k", "v") and not cfg.reblock:
             qu, ku, vu = a, b, c
-        elif ctx.requantize:
+        elif cfg.requantize:
+            fresh = [_seed(_fresh_spec(cfg, spec)) if n not in ctx.reused else None
+                     for n, spec in zip("qkv", (cfg.q, cfg.k, cfg.v), strict=True)]
             qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
-                a, b, c, amax, ctx.tiles["quant"], ctx.reused)
+                a, b, c, amax, ctx.tiles["quant"], ctx.reused, ctx.score_seeds, tuple(fresh),
+                cfg.requantize_along == "forward")
         else:
             qu, ku, vu, alt["q_dk"], alt["k_dq"], amax = kernel.unquantized_operands(
                 a, b, c, amax, ctx.reused)
-        if ctx.reblock:  # unquantized_operands' amaxes change for the tensors not reused only
+        if cfg.reblock:  # unquantized_operands' amaxes change for the tensors not reused only
             vu, alt["q_dk"], alt["k_dq"] = kernel.reblocked_operands(
                 vu, alt.get("q_dk", qu), alt.get("k_dq", ku), amax, ctx.tiles["quant"],
                 ctx.reused)
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
-                                          quant_ds=ctx.quant_ds, **alt)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                          quant_ds=cfg.ds is not None, **alt)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -184,9 +184,9 @@ FP32_PTRS = ("lse_ptr", "amax_ptr", "delta_ptr", "partial_ptr", "dbg_ptr")
 
 def compile_check() -> list[str]:
     """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles; the prologue in its
-    three block shapes; the backward also in the variants of the ablations reuse=False and
-    ds=None) without a GPU; report ptxas's
-    registers and spills when a ptxas that reads Triton's PTX is at hand."""
+    three block shapes, the first two also with stochastic rounding; the backward also in the
+    variants of the ablations reuse=False and ds=None) without a GPU; report ptxas's registers
+    and spills when a ptxas that reads Triton's PTX is at hand."""
     import triton.language as tl
 
     from fp4stack.kernels import attention as fa
@@ -200,12 +200,11 @@ def compile_check() -> list[str]:
         bwd = dict(D=d, CAUSAL=True, SCALE_MAX=448.0, DEBUG=False, REUSE=True, QUANT_DS=True,
                    **mma)
         jobs = [
-            ("quant d-blocks", fa.quantize_units_kernel, tiles["quant"],
-             dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=1, SCALE_MAX=448.0)),
-            ("quant key-blocks", fa.quantize_units_kernel, tiles["quant"],
-             dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=0, SCALE_MAX=448.0)),
-            ("quant 16x16 tiles", fa.quantize_units_kernel, tiles["quant"],
-             dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=2, SCALE_MAX=448.0)),
+            *((f"quant {shape}{' SR' if sr else ''}", fa.quantize_units_kernel, tiles["quant"],
+               dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=axis, SCALE_MAX=448.0,
+                    STOCHASTIC=sr))
+              for shape, axis in (("d-blocks", 1), ("key-blocks", 0), ("16x16 tiles", 2))
+              for sr in ((False, True) if axis < 2 else (False,))),
             ("fwd", fa.attention_fwd_kernel, tiles["fwd"], dict(D=d, CAUSAL=True, **mma)),
             ("delta", ba.delta_kernel, fa.Tile(64, 64, 4, 1), dict(D=d, BLOCK=64)),
             ("amax", ba.query_kernel, tiles["amax"], dict(DQ=False, **bwd)),

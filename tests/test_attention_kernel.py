@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4stack.nn.attention as attention
+import fp4stack.nn.attention_kernels as attention_kernels
 from fp4stack import fake_quantize
 from fp4stack.formats.spec import QuantSpec
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention
@@ -283,8 +284,8 @@ def test_backend_choice():
     # "auto" runs the kernels on CUDA tensors only: the torch reference on CPU ones, even under
     # the interpreter.
     called = []
-    real = attention._TritonAttentionFn.apply
-    attention._TritonAttentionFn.apply = lambda *a: called.append(1) or real(*a)
+    real = attention_kernels.TritonAttentionFn.apply
+    attention_kernels.TritonAttentionFn.apply = lambda *a: called.append(1) or real(*a)
     try:
         fp4_attention(q, k, v)
         assert bool(called) == CUDA
@@ -293,7 +294,7 @@ def test_backend_choice():
         fp4_attention(q, k, v, backend="triton")
         assert called
     finally:
-        attention._TritonAttentionFn.apply = real
+        attention_kernels.TritonAttentionFn.apply = real
 
 
 @pytest.mark.parametrize("cfg", [AttentionQuant.paper(), AttentionQuant(reuse=False),
@@ -525,16 +526,16 @@ def test_stochastic_matches_reference(name, S, L, d, Hkv):
 
 
 def test_triton_configs():
-    """_triton_unsupported accepts the default config and its ablations (reuse, requantize, ds);
+    """triton_unsupported accepts the default config and its ablations (reuse, requantize, ds);
     any other spec or flag stays on the reference, and backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
     tiled = [replace(TILED, **kw) for kw in ({}, {"reuse": False}, {"ds": None})]
     rotated = [AttentionQuant(rotate_qk=True), AttentionQuant(rotate_qk=True, reuse=False)]
     for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled,
                 *rotated):
-        assert attention._triton_unsupported(q, cfg, None) == "", cfg
+        assert attention_kernels.triton_unsupported(q, cfg, None) == "", cfg
     for cfg in STOCHASTIC.values():
-        assert attention._triton_unsupported(q, cfg, None) == "", cfg
+        assert attention_kernels.triton_unsupported(q, cfg, None) == "", cfg
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
                 AttentionQuant(dp=NVFP4_RNE), AttentionQuant(v=None, reuse=False),
                 AttentionQuant(ds=NVFP4_SR), AttentionQuant(q=QuantSpec(), ds=None),
@@ -543,7 +544,7 @@ def test_triton_configs():
                 AttentionQuant(reuse=("v",), reblock=True, requantize_rounding="stochastic"),
                 replace(TILED, reuse=False, requantize_rounding="stochastic"),
                 AttentionQuant.off()):
-        why = attention._triton_unsupported(q, cfg, None)
+        why = attention_kernels.triton_unsupported(q, cfg, None)
         assert "any reuse and ds=None, and Q, K, V in 16x16 tiles" in why, cfg
         assert cfg.describe() in why, cfg
         with pytest.raises(ValueError, match="fp4_attention.backend='triton'.: the kernels"):
@@ -624,7 +625,8 @@ def test_tiled_backward_matches_reference(S, L, d, deterministic, causal, reuse,
     reference's reuse and no reuse are the same numbers, and the kernels run one path for both."""
     monkeypatch.setattr("fp4stack.kernels.attention_bwd.DETERMINISTIC", deterministic)
     cfg = replace(TILED, reuse=reuse)
-    assert attention._triton_unsupported(torch.empty(1, 1, 1, d, device=DEVICE), cfg, None) in (
+    probe = torch.empty(1, 1, 1, d, device=DEVICE)
+    assert attention_kernels.triton_unsupported(probe, cfg, None) in (
         "", "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     q, k, v = draw(1, 2, S, L, d, seed=S * 5 + L + d)
     do = draw(1, 2, S, 1, d, seed=S + 3)[0]

@@ -51,10 +51,10 @@ def test_kernel_table_adds_little_to_the_reference(capsys):
     """The kernels' rows: one per kernel config, errors against the reference of the same config
     far below those against exact attention (bf16 rounding only)."""
     pytest.importorskip("triton")
-    from fp4stack.nn.attention import _triton_unsupported
+    from fp4stack.nn.attention_kernels import triton_unsupported
 
     s = sample(1, (1, 4, 64, 32))
-    if _triton_unsupported(s[0].float(), AttentionQuant(), None):
+    if triton_unsupported(s[0].float(), AttentionQuant(), None):
         pytest.skip("the Triton kernels do not run here")
     study.kernel_table([s])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q, K")]

@@ -79,7 +79,6 @@ weight and zero gradient, but a future token can nudge the quantized values of p
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -87,9 +86,13 @@ from torch import Tensor
 
 from ..api import fake_quantize
 from ..formats.hadamard import rht
-from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
-from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant
+from .attention_kernels import TritonAttentionFn, is_tiled, triton_unsupported
+from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant, stochastic_seed
+
+# The config and its specs are imported from here too (with the functions below).
+__all__ = ["NVFP4_RNE", "NVFP4_SR", "NVFP4_TILES", "AttentionQuant", "fp4_attention",
+           "make_attend", "quantize_along", "use_fp4_attention"]
 
 _BLOCK = 16
 
@@ -113,7 +116,7 @@ def quantize_along(t: Tensor, spec: QuantSpec | None, dim: int, dtype: torch.dty
     pad = (0, -n % _BLOCK, 0, -rows % _BLOCK if spec.is_2d else 0)
     if any(pad):
         x = F.pad(x, pad)
-    seed = _seed(spec) if seed is None else seed
+    seed = stochastic_seed(spec) if seed is None else seed
     y = fake_quantize(x.contiguous(), spec=spec, seed=seed, amax=amax)[..., :rows, :n]
     return y.to(dtype) if spec.is_2d else y.to(dtype).movedim(-1, dim)
 
@@ -148,19 +151,6 @@ def _log_sum_exp(s: Tensor) -> Tensor:
     return torch.where(total > 0, lse, torch.full_like(lse, float("inf")))
 
 
-def _seed(spec: QuantSpec | None) -> int | None:
-    """A seed for a stochastic spec, kept so the backward can redraw the same values."""
-    return draw_seed() if spec is not None and spec.rounding == "stochastic" else None
-
-
-def _fresh_spec(cfg: AttentionQuant, spec: QuantSpec | None) -> QuantSpec | None:
-    """The spec the backward re-quantizes a tensor it does not reuse with: the forward's, with
-    requantize_rounding's rounding where set."""
-    if spec is not None and cfg.requantize_rounding is not None:
-        spec = replace(spec, rounding=cfg.requantize_rounding)
-    return spec
-
-
 def _repeat_heads(t: Tensor, groups: int) -> Tensor:
     """K or V heads repeated for grouped-query attention (query head h reads head h // groups)."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
@@ -181,7 +171,7 @@ class _FP4AttentionFn(torch.autograd.Function):
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         groups = q.shape[1] // k.shape[1]
         # stochastic Q, K keep their seeds: the backward recomputes S from the same bits
-        q_seed, k_seed = _seed(cfg.q), _seed(cfg.k)
+        q_seed, k_seed = stochastic_seed(cfg.q), stochastic_seed(cfg.k)
         qh = quantize_along(q, cfg.q, -1, dt, q_seed)  # blocks along d: QKᵀ reduces over d
         kh = quantize_along(k, cfg.k, -1, dt, k_seed)
         vh = quantize_along(v, cfg.v, -2, dt)  # blocks along keys: PV reduces over keys
@@ -191,7 +181,7 @@ class _FP4AttentionFn(torch.autograd.Function):
         s = _scores(qh, kh, scale, allowed)
         lse = _log_sum_exp(s)
         p = _probs(s, lse)
-        p_seed = _seed(cfg.p)
+        p_seed = stochastic_seed(cfg.p)
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
         # reblock: Q's, K's and V's global amaxes (the forward's scales) for the second
         # quantization of the reused values
@@ -217,7 +207,7 @@ class _FP4AttentionFn(torch.autograd.Function):
 
         def fresh(t: Tensor, spec: QuantSpec | None, dim: int, forward_dim: int) -> Tensor:
             dim = forward_dim if cfg.requantize_along == "forward" else dim
-            return quantize_along(t, _fresh_spec(cfg, spec) if cfg.requantize else None, dim, dt)
+            return quantize_along(t, cfg.fresh_spec(spec) if cfg.requantize else None, dim, dt)
 
         def reused(hat: Tensor, spec: QuantSpec | None, dim: int, amax: Tensor | None) -> Tensor:
             return quantize_along(hat, spec, dim, dt, amax=amax) if cfg.reblock else hat
@@ -288,14 +278,14 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
             raise ValueError(f"AttentionQuant.rotate_qk=True needs head_dim to be a multiple "
                              f"of {_BLOCK}, got {q.shape[-1]}: set rotate_qk=False")
         q, k = _rotate(q), _rotate(k)
-    why_not = _triton_unsupported(q, config, mask) if backend != "torch" else "torch asked"
+    why_not = triton_unsupported(q, config, mask) if backend != "torch" else "torch asked"
     if backend == "triton" and why_not:
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
     if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
         # GQA heads indexed in-kernel; tiles serve every GEMM, so any reuse is full reuse
-        tiled = _tiled(config)
+        tiled = is_tiled(config)
         reused = tuple(n for n in "qkv" if tiled or config.reuses(n))
-        return _TritonAttentionFn.apply(q, k, v, causal, scale, reused, config, tiled)
+        return TritonAttentionFn.apply(q, k, v, causal, scale, reused, config, tiled)
     allowed = _allowed(S, L, causal, mask, q.device)
     return _FP4AttentionFn.apply(q, k, v, allowed, scale, config)
 
@@ -306,116 +296,6 @@ _BACKENDS = ("auto", "torch", "triton")
 def _rotate(t: Tensor) -> Tensor:
     # the fixed butterfly order of rht keeps CPU and GPU bit-identical; autograd backs through it
     return rht(t).to(t.dtype)
-
-
-def _tiled(config: AttentionQuant) -> bool:
-    """Q, K and V all in NVFP4 16x16 tiles (the kernels' tiled prologue)."""
-    return config.q == config.k == config.v == NVFP4_TILES
-
-
-def _kernel_config(config: AttentionQuant) -> bool:
-    """Whether the kernels compute `config`: the method's specs, each of Q, K, V rounded to
-    nearest (NVFP4_RNE) or stochastically (NVFP4_SR), with any reuse, requantize,
-    requantize_along, requantize_rounding and rotate_qk, reblock (round to nearest only), and/or
-    ds=None; or Q, K, V in 16x16 tiles with requantize and no reblock (where every reuse gives
-    the same numbers). Other specs stay on the reference."""
-    if config.ds not in (None, NVFP4_RNE):
-        return False
-    how = dict(requantize_along="reduction", requantize_rounding=None)
-    if _tiled(config):
-        if config.reblock or not config.requantize or replace(config, **how) != config:
-            return False
-        config = replace(config, q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE)
-    specs = [config.q, config.k, config.v]
-    if any(s not in (NVFP4_RNE, NVFP4_SR) for s in specs):
-        return False
-    if config.reblock and (NVFP4_SR in specs or config.requantize_rounding == "stochastic"):
-        return False
-    # rotate_qk happens before either backend sees Q and K
-    flags = dict(q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE, reuse=True, requantize=True,
-                 reblock=False, ds=NVFP4_RNE, rotate_qk=False, **how)
-    return replace(config, **flags) == AttentionQuant.paper()
-
-
-def _triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -> str:
-    """Why the Triton kernels do not apply ("" when they do)."""
-    from ..kernels import available
-
-    if not _kernel_config(config):
-        return ("the kernels compute the method's specs (Q, K, V rounded to nearest or "
-                "stochastically), any reuse and ds=None, and Q, K, V in 16x16 tiles "
-                f"(requantize, no reblock) only, got {config.describe()}")
-    if mask is not None:
-        return "the kernels take no mask (causal or none only)"
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"the kernels take float32, bfloat16 or float16, got {q.dtype}"
-    if not available():
-        return "Triton is not installed"
-    from ..kernels.attention import HEAD_DIMS, interpreted
-
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"the kernels take head_dim in {HEAD_DIMS}, got {q.shape[-1]}"
-    if not q.is_cuda and not interpreted():
-        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-    return ""
-
-
-class _TritonAttentionFn(torch.autograd.Function):
-    """The flash kernels. For each of Q, K, V the forward saves its units if the backward
-    reuses it (tensor reuse), else the raw tensor, as the reference does, which the backward
-    re-quantizes (attention.backward_operands): the same saved memory either way, at the price
-    of up to five quantize passes in the backward (cheap next to attention) rather than saving
-    up to five units tensors for as long as the graph lives. All save O, lse and the amaxes.
-    reused: the names of q, k, v that the backward reuses; config.requantize False: it takes
-    the others unquantized (attention.unquantized_operands); config.reblock: the reused units
-    are re-quantized along each GEMM's reduction dim (attention.reblocked_operands). Stochastic
-    roundings draw their seeds in the reference's order (Q, K, V in the forward; Q̂ for dK, K̂
-    for dQ, V̂ for dP in the backward), so both backends give the same bits after one
-    torch.manual_seed."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
-                cfg: AttentionQuant, tiled: bool):
-        from ..kernels import attention as kernel
-
-        tiles = kernel.tiles_for(q, None)
-        amax = kernel.amaxes(q, k, v)
-        seeds = (_seed(cfg.q), _seed(cfg.k), _seed(cfg.v)) if not tiled else (None,) * 3
-        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
-        out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
-        saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
-        ctx.save_for_backward(*saved, out, lse, amax)
-        ctx.causal, ctx.scale, ctx.tiles, ctx.reused, ctx.cfg = causal, scale, tiles, reused, cfg
-        ctx.score_seeds = seeds[:2]
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        from ..kernels import attention as kernel
-        from ..kernels.attention_bwd import backward_units
-
-        a, b, c, out, lse, amax = ctx.saved_tensors
-        cfg, alt = ctx.cfg, {}
-        if ctx.reused == ("q", "k", "v") and not cfg.reblock:
-            qu, ku, vu = a, b, c
-        elif cfg.requantize:
-            fresh = [_seed(_fresh_spec(cfg, spec)) if n not in ctx.reused else None
-                     for n, spec in zip("qkv", (cfg.q, cfg.k, cfg.v), strict=True)]
-            qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
-                a, b, c, amax, ctx.tiles["quant"], ctx.reused, ctx.score_seeds, tuple(fresh),
-                cfg.requantize_along == "forward")
-        else:
-            qu, ku, vu, alt["q_dk"], alt["k_dq"], amax = kernel.unquantized_operands(
-                a, b, c, amax, ctx.reused)
-        if cfg.reblock:  # unquantized_operands' amaxes change for the tensors not reused only
-            vu, alt["q_dk"], alt["k_dq"] = kernel.reblocked_operands(
-                vu, alt.get("q_dk", qu), alt.get("k_dq", ku), amax, ctx.tiles["quant"],
-                ctx.reused)
-        dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
-                                          ctx.causal, ctx.scale, ctx.tiles,
-                                          quant_ds=cfg.ds is not None, **alt)
-        return dq, dk, dv, None, None, None, None, None
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -7,8 +7,9 @@ in fp4stack.nn.attention (the torch reference) and fp4stack.kernels.attention (t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
 
 _FLAGS = ("q", "k", "v", "p", "ds", "dp")
@@ -145,6 +146,13 @@ class AttentionQuant:
                              f"choose from {_FLAGS}")
         return cls(**{name: spec if name in names else None for name in _FLAGS}, reuse=reuse)
 
+    def fresh_spec(self, spec: QuantSpec | None) -> QuantSpec | None:
+        """The spec the backward re-quantizes a tensor it does not reuse with: `spec` (the
+        forward's), with requantize_rounding's rounding where that is set."""
+        if spec is not None and self.requantize_rounding is not None:
+            spec = replace(spec, rounding=self.requantize_rounding)
+        return spec
+
     @property
     def quantizes(self) -> bool:
         return any(getattr(self, name) is not None for name in _FLAGS)
@@ -164,6 +172,12 @@ class AttentionQuant:
         how = f"; the others re-quantized {', '.join(how)}" if how else ""
         return (f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{how}"
                 f"{rotate}")
+
+
+def stochastic_seed(spec: QuantSpec | None) -> int | None:
+    """A fresh seed (torch's generator) for a stochastic spec, None for any other: drawn once
+    per quantization and kept where the backward must redraw the same values."""
+    return draw_seed() if spec is not None and spec.rounding == "stochastic" else None
 
 
 def _normalized_reuse(reuse) -> bool | tuple[str, ...]:

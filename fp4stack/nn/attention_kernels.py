@@ -84,7 +84,7 @@ class TritonAttentionFn(torch.autograd.Function):
 
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
-        seeds = (None,) * 3 if tiled else tuple(stochastic_seed(s) for s in (cfg.q, cfg.k, cfg.v))
+        seeds = tuple(stochastic_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles
         units = kernel.quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
         out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]

@@ -487,19 +487,20 @@ STOCHASTIC = dict(
 
 
 @pytest.mark.parametrize("axis, dim", [(1, -1), (0, -2)])
-@pytest.mark.parametrize("n", [21, 32])
-def test_stochastic_units_bit_exact(axis, dim, n):
+@pytest.mark.parametrize("n, seed", [(21, 12345), (32, 2), (21, 3)])
+def test_stochastic_units_bit_exact(axis, dim, n, seed):
     """quantize_units with a seed draws what the reference's quantize_along draws for that
     seed, element for element, along d and along the rows (padded to whole blocks); another
-    seed draws otherwise, and the rounding is not round-to-nearest."""
+    seed draws otherwise, and the rounding is not round-to-nearest. The seeds' two 32-bit keys
+    are both >= 2**31, only the first, only the second (the kernel takes them as int32)."""
     q, k, _ = draw(2, 3, n, 5, 32, seed=41)
     amax = fwd_kernels.amaxes(q, k, k)
     tile = fwd_kernels.tiles_for(q, None)["quant"]
     dec = amax[0] * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
-    got = fwd_kernels.quantize_units(q, amax, axis, tile, seed=12345) * dec
-    want = attention.quantize_along(q, NVFP4_SR, dim, torch.float32, 12345, amax=amax[0])
+    got = fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed) * dec
+    want = attention.quantize_along(q, NVFP4_SR, dim, torch.float32, seed, amax=amax[0])
     assert torch.equal(got, want)
-    other = fwd_kernels.quantize_units(q, amax, axis, tile, seed=12346) * dec
+    other = fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed + 1) * dec
     assert not torch.equal(other, got) and not torch.equal(got, fq_along(q, dim, amax[0]))
 
 

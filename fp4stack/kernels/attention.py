@@ -49,7 +49,7 @@ import triton.language as tl
 from ..formats.random import seed_keys
 from ..formats.spec import QuantSpec
 from . import nvfp4_jit as jit
-from .nvfp4 import _launch_options
+from .nvfp4 import _int32, _launch_options
 
 HEAD_DIMS = (16, 32, 64, 128)
 SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
@@ -348,9 +348,9 @@ def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile,
     k1, k2 = (0, 0) if seed is None else seed_keys(seed)
     if N:
         quantize_units_kernel[(triton.cdiv(N, tile.block_m), B * H)](
-            t, u, amax, H, N, *t.stride(), k1, k2, D=D, BLOCK=tile.block_m, AXIS=axis,
-            SCALE_MAX=SCALE_MAX, STOCHASTIC=seed is not None, num_warps=tile.num_warps,
-            **_launch_options())
+            t, u, amax, H, N, *t.stride(), _int32(k1), _int32(k2), D=D, BLOCK=tile.block_m,
+            AXIS=axis, SCALE_MAX=SCALE_MAX, STOCHASTIC=seed is not None,
+            num_warps=tile.num_warps, **_launch_options())
     return u
 
 

@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import study_attention_quantization as study  # noqa: E402
+import study_attention_step as step  # noqa: E402
 
 from fp4stack.nn.attention import AttentionQuant  # noqa: E402
 from fp4stack.nn.attention_quant import NVFP4_SR  # noqa: E402
@@ -86,9 +87,9 @@ def test_capture_hf_records_every_layer_after_rope():
     assert not torch.equal(q[:, 0], q[:, 1])
 
 
-def test_a_quantized_recipes_checkpoint_loads_as_its_master_weights(tmp_path):
-    """--checkpoint of a low-rank recipe: the master weights in a plain GPT (the recipe's
-    low-rank factors dropped), and capture runs on it."""
+def tiny_checkpoint(tmp_path):
+    """(checkpoint dir, config path, state) of a 3-block GPT on 32 random tokens, trained with
+    nothing but quantized onto fullstack-nvidia (so it carries low-rank factors)."""
     import json
 
     import numpy as np
@@ -118,7 +119,13 @@ def test_a_quantized_recipes_checkpoint_loads_as_its_master_weights(tmp_path):
     ckpt = tmp_path / "step_00000001"
     ckpt.mkdir()
     save_file({k: t.contiguous() for k, t in state.items()}, str(ckpt / "model.safetensors"))
+    return ckpt, config, state
 
+
+def test_a_quantized_recipes_checkpoint_loads_as_its_master_weights(tmp_path):
+    """--checkpoint of a low-rank recipe: the master weights in a plain GPT (the recipe's
+    low-rank factors dropped), and capture runs on it."""
+    ckpt, config, state = tiny_checkpoint(tmp_path)
     *_, model = study.load_model(ckpt, str(config), "cpu")
     loaded = model.state_dict()
     assert loaded.keys() == {k for k in state if k.rpartition(".")[2] not in study.RECIPE_STATE}
@@ -131,3 +138,21 @@ def test_adam_normalised_divides_the_sum_by_the_per_batch_rms():
     grads = [{"w": torch.tensor([3.0, 0.0, 1.0])}, {"w": torch.tensor([-1.0, 0.0, 1.0])}]
     (got,) = study.adam_normalised(grads, ["w"])
     assert torch.allclose(got, torch.tensor([2 / 5**0.5, 0.0, 2.0]))  # rms 0 -> 0, no NaN
+
+
+def test_adam_direction_of_one_batch_is_the_gradients_sign():
+    grads = [{"w": torch.tensor([3.0, -0.5, 0.0])}]
+    assert torch.equal(step.adam_direction(grads)["w"], torch.tensor([1.0, -1.0, 0.0]))
+    two = [{"w": torch.tensor([2.0])}, {"w": torch.tensor([-2.0])}]
+    assert step.adam_direction(two)["w"].item() == 0.0  # disagreeing batches: no step
+
+
+def test_step_table_starts_every_setting_from_the_same_weights(tmp_path, capsys):
+    """Every setting's step starts from the checkpoint: exact attention's row has norm ratio 1,
+    a zero step (lr 0) changes no loss, and the settings' rows differ once lr > 0."""
+    ckpt, config, _ = tiny_checkpoint(tmp_path)
+    rows = step.step_table(ckpt, str(config), 1, [0.0, 1e-2])
+    assert len(rows) == len(step.SETTINGS) and rows[0][0] == 1.0
+    assert all(r[1] == r[2] == 0.0 for r in rows)  # lr 0: both forwards unchanged
+    assert len({r[4] for r in rows}) > 1  # lr 1e-2, exact forward: the gradients differ
+    assert "| exact attention | 1.0000 |" in capsys.readouterr().out

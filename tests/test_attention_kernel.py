@@ -487,20 +487,24 @@ STOCHASTIC = dict(
 
 
 @pytest.mark.parametrize("axis, dim", [(1, -1), (0, -2)])
-@pytest.mark.parametrize("n, seed", [(21, 12345), (32, 2), (21, 3)])
-def test_stochastic_units_bit_exact(axis, dim, n, seed):
+@pytest.mark.parametrize("n, seed, dtype", [(21, 12345, torch.float32), (32, 2, torch.float32),
+                                            (21, 3, torch.float32), (21, 4, torch.bfloat16)])
+def test_stochastic_units_bit_exact(axis, dim, n, seed, dtype):
     """quantize_units with a seed draws what the reference's quantize_along draws for that
     seed, element for element, along d and along the rows (padded to whole blocks); another
     seed draws otherwise, and the rounding is not round-to-nearest. The seeds' two 32-bit keys
-    are both >= 2**31, only the first, only the second (the kernel takes them as int32)."""
-    q, k, _ = draw(2, 3, n, 5, 32, seed=41)
+    are both >= 2**31, only the first, only the second (the kernel takes them as int32); bf16
+    inputs give bf16 units, exact (at most 6 significant bits)."""
+    q, k, _ = draw(2, 3, n, 5, 32, dtype=dtype, seed=41)
     amax = fwd_kernels.amaxes(q, k, k)
     tile = fwd_kernels.tiles_for(q, None)["quant"]
-    dec = amax[0] * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
-    got = fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed) * dec
+    units = fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed)
+    assert units.dtype == dtype
+    got = fwd_kernels.unit_values(units, amax, 0)
     want = attention.quantize_along(q, NVFP4_SR, dim, torch.float32, seed, amax=amax[0])
     assert torch.equal(got, want)
-    other = fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed + 1) * dec
+    other = fwd_kernels.unit_values(
+        fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed + 1), amax, 0)
     assert not torch.equal(other, got) and not torch.equal(got, fq_along(q, dim, amax[0]))
 
 

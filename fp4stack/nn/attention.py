@@ -87,7 +87,7 @@ from torch import Tensor
 from ..api import fake_quantize
 from ..formats.hadamard import rht
 from ..formats.spec import QuantSpec
-from .attention_kernels import TritonAttentionFn, is_tiled, triton_unsupported
+from .attention_kernels import TritonAttentionFn, triton_unsupported
 from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant, stochastic_seed
 
 # The config and its specs are imported from here too (with the functions below).
@@ -282,10 +282,7 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if backend == "triton" and why_not:
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
     if backend == "triton" or (backend == "auto" and q.is_cuda and not why_not):
-        # GQA heads indexed in-kernel; tiles serve every GEMM, so any reuse is full reuse
-        tiled = is_tiled(config)
-        reused = tuple(n for n in "qkv" if tiled or config.reuses(n))
-        return TritonAttentionFn.apply(q, k, v, causal, scale, reused, config, tiled)
+        return TritonAttentionFn.apply(q, k, v, causal, scale, config)
     allowed = _allowed(S, L, causal, mask, q.device)
     return _FP4AttentionFn.apply(q, k, v, allowed, scale, config)
 

@@ -70,18 +70,20 @@ class TritonAttentionFn(torch.autograd.Function):
     re-quantizes (attention.backward_operands): the same saved memory either way, at the price
     of up to five quantize passes in the backward (cheap next to attention) rather than saving
     up to five units tensors for as long as the graph lives. All save O, lse and the amaxes.
-    reused: the names of q, k, v that the backward reuses; config.requantize False: it takes
-    the others unquantized (attention.unquantized_operands); config.reblock: the reused units
-    are re-quantized along each GEMM's reduction dim (attention.reblocked_operands). Stochastic
-    roundings draw their seeds in the reference's order (Q, K, V in the forward; Q̂ for dK, K̂
-    for dQ, V̂ for dP in the backward), so both backends give the same bits after one
-    torch.manual_seed."""
+    The backward reuses the tensors cfg.reuses names (all three for 16x16 tiles); with
+    cfg.requantize False it takes the others unquantized (attention.unquantized_operands); with
+    cfg.reblock the reused units are re-quantized along each GEMM's reduction dim
+    (attention.reblocked_operands). Stochastic roundings draw their seeds in the reference's
+    order (Q, K, V in the forward; Q̂ for dK, K̂ for dQ, V̂ for dP in the backward), so both
+    backends give the same bits after one torch.manual_seed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, reused: tuple[str, ...],
-                cfg: AttentionQuant, tiled: bool):
+    def forward(ctx, q, k, v, causal: bool, scale: float, cfg: AttentionQuant):
         from ..kernels import attention as kernel
 
+        # GQA heads are indexed in-kernel; tiles serve every GEMM, so any reuse is full reuse
+        tiled = is_tiled(cfg)
+        reused = tuple(n for n in "qkv" if tiled or cfg.reuses(n))
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
         seeds = tuple(stochastic_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles
@@ -119,4 +121,4 @@ class TritonAttentionFn(torch.autograd.Function):
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
                                           quant_ds=cfg.ds is not None, **alt)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None

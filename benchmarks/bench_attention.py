@@ -191,6 +191,7 @@ def compile_check() -> list[str]:
 
     from fp4stack.kernels import attention as fa
     from fp4stack.kernels import attention_bwd as ba
+    from fp4stack.kernels import attention_units as fu
     from fp4stack.kernels.hopper import compile_sm90
 
     lines = []
@@ -200,7 +201,7 @@ def compile_check() -> list[str]:
         bwd = dict(D=d, CAUSAL=True, SCALE_MAX=448.0, DEBUG=False, REUSE=True, QUANT_DS=True,
                    **mma)
         jobs = [
-            *((f"quant {shape}{' SR' if sr else ''}", fa.quantize_units_kernel, tiles["quant"],
+            *((f"quant {shape}{' SR' if sr else ''}", fu.quantize_units_kernel, tiles["quant"],
                dict(D=d, BLOCK=tiles["quant"].block_m, AXIS=axis, SCALE_MAX=448.0,
                     STOCHASTIC=sr))
               for shape, axis in (("d-blocks", 1), ("key-blocks", 0), ("16x16 tiles", 2))

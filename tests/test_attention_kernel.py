@@ -30,6 +30,7 @@ from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 
 pytest.importorskip("triton")
 from fp4stack.kernels import attention as fwd_kernels  # noqa: E402
+from fp4stack.kernels import attention_units as units_kernels  # noqa: E402
 from fp4stack.kernels.attention import (  # noqa: E402
     Tile,
     fp4_attention_forward,
@@ -213,7 +214,7 @@ def test_ds_amax_and_quantized_tiles(causal, S, L, deterministic):
     do = draw(1, 2, S, 1, 32, seed=12)[0]
     amax = fwd_kernels.amaxes(q, k, v)
     tiles = fwd_kernels.tiles_for(q, None)
-    units = fwd_kernels.quantize_operands(q, k, v, amax, tiles["quant"])
+    units = units_kernels.quantize_operands(q, k, v, amax, tiles["quant"])
     out, lse = fwd_kernels.forward_units(*units, amax, causal, 1 / math.sqrt(32), tiles["fwd"])
     *_, ds_amax, dbg = backward_units(do, *units, out, lse, amax, causal, 1 / math.sqrt(32),
                                       tiles, deterministic=deterministic, debug=True)
@@ -350,14 +351,14 @@ def test_backward_operands_bit_exact():
     q, k, v = draw(2, 2, 21, 37, 32, seed=21)
     amax = fwd_kernels.amaxes(q, k, v)
     tile = fwd_kernels.tiles_for(q, None)["quant"]
-    units = fwd_kernels.backward_operands(q, k, v, amax, tile)
-    dec = amax * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
+    units = units_kernels.backward_operands(q, k, v, amax, tile)
+    dec = amax * (1.0 / (units_kernels.SCALE_MAX * 6.0))
     want = [(q, 0, -1), (k, 1, -1), (v, 2, -1), (q, 0, -2), (k, 1, -2)]
     for u, (t, i, dim) in zip(units, want, strict=True):
         assert torch.equal(u * dec[i], fq_along(t, dim, amax[i]))
     # Partial reuse: the reused names' saved units are passed through as they are.
-    fwd = fwd_kernels.quantize_operands(q, k, v, amax, tile)
-    got = fwd_kernels.backward_operands(fwd[0], k, fwd[2], amax, tile, ("q", "v"))
+    fwd = units_kernels.quantize_operands(q, k, v, amax, tile)
+    got = units_kernels.backward_operands(fwd[0], k, fwd[2], amax, tile, ("q", "v"))
     assert got[0] is fwd[0] and got[3] is fwd[0] and got[2] is fwd[2]
     assert torch.equal(got[1], units[1]) and torch.equal(got[4], units[4])
 
@@ -369,15 +370,15 @@ def test_reblocked_operands_bit_exact():
     q, k, v = draw(2, 2, 21, 37, 32, seed=29)
     amax = fwd_kernels.amaxes(q, k, v)
     tile = fwd_kernels.tiles_for(q, None)["quant"]
-    qu, ku, vu = fwd_kernels.quantize_operands(q, k, v, amax, tile)
-    got = fwd_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("q", "k", "v"))
-    dec = amax * (1.0 / (fwd_kernels.SCALE_MAX * 6.0))
+    qu, ku, vu = units_kernels.quantize_operands(q, k, v, amax, tile)
+    got = units_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("q", "k", "v"))
+    dec = amax * (1.0 / (units_kernels.SCALE_MAX * 6.0))
     want = [(fq_along(v, -2, amax[2]), 2, -1), (fq_along(q, -1, amax[0]), 0, -2),
             (fq_along(k, -1, amax[1]), 1, -2)]
     for u, (hat, i, dim) in zip(got, want, strict=True):
         again = fq_along(hat, dim, amax[i])
         assert torch.equal(u * dec[i], again) and not torch.equal(again, hat)
-    partial = fwd_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("v",))
+    partial = units_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("v",))
     assert partial[1] is qu and partial[2] is ku and torch.equal(partial[0], got[0])
 
 
@@ -434,7 +435,7 @@ def test_ds_hp_debug_operands():
     do = draw(1, 2, 20, 1, 16, seed=28)[0]
     amax = fwd_kernels.amaxes(q, k, v)
     tiles = fwd_kernels.tiles_for(q, None)
-    units = fwd_kernels.quantize_operands(q, k, v, amax, tiles["quant"])
+    units = units_kernels.quantize_operands(q, k, v, amax, tiles["quant"])
     out, lse = fwd_kernels.forward_units(*units, amax, True, 1 / math.sqrt(16), tiles["fwd"])
     *_, ds_amax, dbg = backward_units(do, *units, out, lse, amax, True, 1 / math.sqrt(16),
                                       tiles, debug=True, quant_ds=False)
@@ -498,13 +499,13 @@ def test_stochastic_units_bit_exact(axis, dim, n, seed, dtype):
     q, k, _ = draw(2, 3, n, 5, 32, dtype=dtype, seed=41)
     amax = fwd_kernels.amaxes(q, k, k)
     tile = fwd_kernels.tiles_for(q, None)["quant"]
-    units = fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed)
+    units = units_kernels.quantize_units(q, amax, axis, tile, seed=seed)
     assert units.dtype == dtype
-    got = fwd_kernels.unit_values(units, amax, 0)
+    got = units_kernels.unit_values(units, amax, 0)
     want = attention.quantize_along(q, NVFP4_SR, dim, torch.float32, seed, amax=amax[0])
     assert torch.equal(got, want)
-    other = fwd_kernels.unit_values(
-        fwd_kernels.quantize_units(q, amax, axis, tile, seed=seed + 1), amax, 0)
+    other = units_kernels.unit_values(
+        units_kernels.quantize_units(q, amax, axis, tile, seed=seed + 1), amax, 0)
     assert not torch.equal(other, got) and not torch.equal(got, fq_along(q, dim, amax[0]))
 
 

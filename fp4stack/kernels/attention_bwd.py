@@ -55,16 +55,14 @@ import triton
 import triton.language as tl
 
 from .attention import (
-    INV_RANGE,
-    SCALE_MAX,
     Tile,
     key_range,
     key_tile_scores,
     mma_type,
-    quantize_tile,
     query_tile,
     score_factors,
 )
+from .attention_units import INV_RANGE, SCALE_MAX, quantize_tile
 from .nvfp4 import _launch_options
 
 # The default of backward_units and of fp4_attention's Triton path: True computes dQ in a pass

@@ -67,19 +67,20 @@ def triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -
 class TritonAttentionFn(torch.autograd.Function):
     """The flash kernels. For each of Q, K, V the forward saves its units if the backward
     reuses it (tensor reuse), else the raw tensor, as the reference does, which the backward
-    re-quantizes (attention.backward_operands): the same saved memory either way, at the price
-    of up to five quantize passes in the backward (cheap next to attention) rather than saving
-    up to five units tensors for as long as the graph lives. All save O, lse and the amaxes.
-    The backward reuses the tensors cfg.reuses names (all three for 16x16 tiles); with
-    cfg.requantize False it takes the others unquantized (attention.unquantized_operands); with
+    re-quantizes (attention_units.backward_operands): the same saved memory either way, at the
+    price of up to five quantize passes in the backward (cheap next to attention) rather than
+    saving up to five units tensors for as long as the graph lives. All save O, lse and the
+    amaxes. The backward reuses the tensors cfg.reuses names (all three for 16x16 tiles); with
+    cfg.requantize False it takes the others unquantized (unquantized_operands); with
     cfg.reblock the reused units are re-quantized along each GEMM's reduction dim
-    (attention.reblocked_operands). Stochastic roundings draw their seeds in the reference's
-    order (Q, K, V in the forward; Q̂ for dK, K̂ for dQ, V̂ for dP in the backward), so both
-    backends give the same bits after one torch.manual_seed."""
+    (reblocked_operands). Stochastic roundings draw their seeds in the reference's order (Q,
+    K, V in the forward; Q̂ for dK, K̂ for dQ, V̂ for dP in the backward), so both backends give
+    the same bits after one torch.manual_seed."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, cfg: AttentionQuant):
         from ..kernels import attention as kernel
+        from ..kernels import attention_units as units_kernels
 
         # GQA heads are indexed in-kernel; tiles serve every GEMM, so any reuse is full reuse
         tiled = is_tiled(cfg)
@@ -87,7 +88,7 @@ class TritonAttentionFn(torch.autograd.Function):
         tiles = kernel.tiles_for(q, None)
         amax = kernel.amaxes(q, k, v)
         seeds = tuple(stochastic_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles
-        units = kernel.quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
+        units = units_kernels.quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
         out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
         ctx.save_for_backward(*saved, out, lse, amax)
@@ -98,7 +99,7 @@ class TritonAttentionFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        from ..kernels import attention as kernel
+        from ..kernels import attention_units as units_kernels
         from ..kernels.attention_bwd import backward_units
 
         a, b, c, out, lse, amax = ctx.saved_tensors
@@ -108,14 +109,14 @@ class TritonAttentionFn(torch.autograd.Function):
         elif cfg.requantize:
             fresh = [stochastic_seed(cfg.fresh_spec(spec)) if n not in ctx.reused else None
                      for n, spec in zip("qkv", (cfg.q, cfg.k, cfg.v), strict=True)]
-            qu, ku, vu, alt["q_dk"], alt["k_dq"] = kernel.backward_operands(
+            qu, ku, vu, alt["q_dk"], alt["k_dq"] = units_kernels.backward_operands(
                 a, b, c, amax, ctx.tiles["quant"], ctx.reused, ctx.score_seeds, tuple(fresh),
                 cfg.requantize_along == "forward")
         else:
-            qu, ku, vu, alt["q_dk"], alt["k_dq"], amax = kernel.unquantized_operands(
+            qu, ku, vu, alt["q_dk"], alt["k_dq"], amax = units_kernels.unquantized_operands(
                 a, b, c, amax, ctx.reused)
         if cfg.reblock:  # unquantized_operands' amaxes change for the tensors not reused only
-            vu, alt["q_dk"], alt["k_dq"] = kernel.reblocked_operands(
+            vu, alt["q_dk"], alt["k_dq"] = units_kernels.reblocked_operands(
                 vu, alt.get("q_dk", qu), alt.get("k_dq", ku), amax, ctx.tiles["quant"],
                 ctx.reused)
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,

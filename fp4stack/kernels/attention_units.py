@@ -1,0 +1,191 @@
+"""The NVFP4 operands of the attention kernels, as "units": the prologue that quantizes Q, K, V
+for the forward (tensor reuse keeps them for the backward), and the backward's other operands
+(re-quantized along each GEMM's reduction dim, re-blocked, or unquantized).
+
+quantize_units_kernel takes one program per 16-multiple row tile of a [B, H, N, d] tensor and
+quantizes it from its global amax with the jit helpers of the NVFP4 kernels, so the values are
+bit for bit the reference's, in 16-blocks along d, along the rows, or in 16x16 tiles; round to
+nearest even or stochastically (a seed draws formats/random.py's uniforms at the reference's
+linear indices). It stores units of the global scale: E2M1 value times E4M3 block scale, at
+most 6 significant bits, exact in bf16, fp16 and fp32, in the input's dtype. A tensor's values
+are its units times the scalar decode factor amax / (6 * 448) (unit_values), which the kernels
+apply to their fp32 dot results. quantize_tile is also the backward's in-kernel quantizer of dS.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.random import seed_keys
+from ..formats.spec import QuantSpec
+from . import nvfp4_jit as jit
+from .nvfp4 import _int32, _launch_options
+
+if TYPE_CHECKING:
+    from .attention import Tile
+
+SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
+INV_RANGE = tl.constexpr(1.0 / (SCALE_MAX * 6.0))  # global decode factor = amax * INV_RANGE
+
+
+@triton.jit
+def quantize_tile(x, amax, BLOCK_AXIS: tl.constexpr, SCALE_MAX: tl.constexpr, u,
+                  STOCHASTIC: tl.constexpr):
+    """NVFP4 of a [R, C] fp32 tile in 16-element blocks along axis BLOCK_AXIS (1: along C,
+    0: along R), or, BLOCK_AXIS 2, in 16x16 tiles (R and C multiples of 16): round to nearest
+    even, or with STOCHASTIC by the [R, C] uniform draws u.
+
+    Returns (units, dec): the dequantized values are units * dec, as the fake-quantize kernel
+    computes them; units = E2M1 value * E4M3 block scale.
+    """
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    s_enc, s_dec = jit.global_scales(amax, SCALE_MAX)
+    if BLOCK_AXIS == 1:
+        xb = tl.reshape(x, (R, C // 16, 16))
+        sbits = jit.block_scale_bits(tl.reduce(tl.abs(xb), 2, jit.max_nan), s_enc, 1.0 / 6.0)
+        enc = jit.encode_factor(sbits, s_dec)[:, :, None]
+        s = jit.e4m3_value(sbits)[:, :, None]
+    elif BLOCK_AXIS == 0:
+        xb = tl.reshape(x, (R // 16, 16, C))
+        sbits = jit.block_scale_bits(tl.reduce(tl.abs(xb), 1, jit.max_nan), s_enc, 1.0 / 6.0)
+        enc = jit.encode_factor(sbits, s_dec)[:, None, :]
+        s = jit.e4m3_value(sbits)[:, None, :]
+    else:
+        xb = tl.reshape(x, (R // 16, 16, C // 16, 16))
+        tile_max = tl.reduce(tl.reduce(tl.abs(xb), 3, jit.max_nan), 1, jit.max_nan)
+        sbits = jit.block_scale_bits(tile_max, s_enc, 1.0 / 6.0)
+        enc = jit.encode_factor(sbits, s_dec)[:, None, :, None]
+        s = jit.e4m3_value(sbits)[:, None, :, None]
+    if STOCHASTIC:
+        units = jit.e2m1_value(jit.e2m1_stochastic(xb * enc, tl.reshape(u, xb.shape))) * s
+    else:
+        units = jit.e2m1_rne_value(xb * enc) * s
+    return tl.reshape(units, (R, C)), amax * INV_RANGE
+
+
+@triton.jit
+def quantize_units_kernel(x_ptr, u_ptr, amax_ptr, H, N, sxb, sxh, sxn, sxd, k1, k2,
+                          D: tl.constexpr, BLOCK: tl.constexpr, AXIS: tl.constexpr,
+                          SCALE_MAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Units of rows [BLOCK, D] of x [B, H, N, D] (any strides) into contiguous u [B*H, N, D];
+    AXIS 1: 16-blocks along d, AXIS 0: along the rows, AXIS 2: 16x16 tiles (BLOCK is a
+    multiple of 16, so a tile's blocks are the reference's; rows past N load as zeros, the
+    reference's padding). STOCHASTIC: element (bh, n, c) draws uniform(index, keys k1, k2) at
+    the linear index the reference gives it, x with its blocks' dim moved last and padded to
+    whole blocks: (bh * N + n) * D + c along d, (bh * D + c) * Np + n along the rows."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    ok = rows < N
+    base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+    x = tl.load(base + rows[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    draws = x
+    if STOCHASTIC:
+        if AXIS == 1:
+            index = (bh.to(tl.int64) * N + rows[:, None]) * D + cols[None, :]
+        else:
+            n_padded = tl.cdiv(N, 16) * 16
+            index = (bh.to(tl.int64) * D + cols[None, :]) * n_padded + rows[:, None]
+        draws = jit.uniform(index, k1.to(tl.uint32), k2.to(tl.uint32))
+    units, _ = quantize_tile(x, tl.load(amax_ptr), AXIS, SCALE_MAX, draws, STOCHASTIC)
+    tl.store(u_ptr + (bh.to(tl.int64) * N + rows[:, None]) * D + cols[None, :],
+             units.to(u_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile,
+                   seed: int | None = None) -> torch.Tensor:
+    """Units of t [B, H, N, d] quantized with global amax amax[0] in 16-blocks along d (axis 1),
+    along N (axis 0) or in 16x16 tiles (axis 2): contiguous, in t's dtype (fp32 stays fp32).
+    seed: stochastic rounding with the reference's draws for that seed (axes 0 and 1), else
+    round to nearest even."""
+    if seed is not None and axis == 2:
+        raise ValueError("quantize_units: stochastic rounding of 16x16 tiles is not implemented")
+    u = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    B, H, N, D = t.shape
+    k1, k2 = (0, 0) if seed is None else seed_keys(seed)
+    if N:
+        quantize_units_kernel[(triton.cdiv(N, tile.block_m), B * H)](
+            t, u, amax, H, N, *t.stride(), _int32(k1), _int32(k2), D=D, BLOCK=tile.block_m,
+            AXIS=axis, SCALE_MAX=SCALE_MAX, STOCHASTIC=seed is not None,
+            num_warps=tile.num_warps, **_launch_options())
+    return u
+
+
+def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile, tiled: bool = False,
+                      seeds: tuple[int | None, ...] = (None, None, None)):
+    """Units of Q̂, K̂ (blocks along d) and V̂ (blocks along keys), or with `tiled` of all three
+    in 16x16 tiles: contiguous [B, H, *, d] in the input dtype (fp32 stays fp32);
+    Q̂ = units * amax[0] / 2688, and so on. seeds: of Q, K, V (None: round to nearest even)."""
+    axes = (2, 2, 2) if tiled else (1, 1, 0)
+    return [quantize_units(t, amax[i:], axis, tile, seed)
+            for i, (t, axis, seed) in enumerate(zip((q, k, v), axes, seeds, strict=True))]
+
+
+def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...] = (),
+                      score_seeds: tuple[int | None, int | None] = (None, None),
+                      fresh_seeds: tuple[int | None, ...] = (None, None, None),
+                      along_forward: bool = False):
+    """The units of the backward GEMMs when the backward does not reuse all of the forward's
+    (reuse=False, the ablation, or a partial reuse): (Q̂, K̂ along d, V̂ for dP = dO V̂ᵀ, Q̂ for
+    dK = dŜᵀ Q̂, K̂ for dQ = dŜ K̂). q, k, v are the forward's units for the names in `reused`,
+    which are used as they are (Q̂, K̂ along d, V̂ along keys), and the raw tensors otherwise,
+    quantized afresh with the forward's amaxes (a tensor's global amax does not depend on the
+    axis of its blocks): Q̂, K̂ along d, with the forward's seeds score_seeds (S recomputed bit
+    for bit as in the forward); the other three along each GEMM's own reduction dim (V̂ along
+    d, Q̂ along queries, K̂ along keys), or with along_forward along the forward's dims (V̂
+    along keys, Q̂ and K̂ along d), with fresh_seeds (of Q̂ for dK, K̂ for dQ, V̂ for dP; None:
+    round to nearest even)."""
+    def units(t, i, axis, seed=None):
+        return quantize_units(t, amax[i:], axis, tile, seed)
+
+    qk_axis, v_axis = (1, 0) if along_forward else (0, 1)
+    q_seed, k_seed, v_seed = fresh_seeds
+    qu, q_dk = (q, q) if "q" in reused else \
+        (units(q, 0, 1, score_seeds[0]), units(q, 0, qk_axis, q_seed))
+    ku, k_dq = (k, k) if "k" in reused else \
+        (units(k, 1, 1, score_seeds[1]), units(k, 1, qk_axis, k_seed))
+    vu = v if "v" in reused else units(v, 2, v_axis, v_seed)
+    return qu, ku, vu, q_dk, k_dq
+
+
+def unit_values(units: torch.Tensor, amax: torch.Tensor, i: int) -> torch.Tensor:
+    """The fp32 values of tensor i's units: units times its global decode factor amax[i] /
+    2688, multiplied as the quantize kernels do (so, bit for bit, the reference's values)."""
+    return units.float() * (amax[i] * (1.0 / (SCALE_MAX * 6.0)))
+
+
+def reblocked_operands(vu, q_dk, k_dq, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...]):
+    """reblock=True: the reused units of the backward's dP, dK and dQ operands (V̂ along keys,
+    Q̂ and K̂ along d) re-quantized along those GEMMs' reduction dims (V̂ along d, Q̂ along the
+    queries, K̂ along the keys) with the forward's amaxes: a second NVFP4 rounding of the
+    forward's values. The others pass through. Returns (vu, q_dk, k_dq)."""
+    def again(u, i, axis):
+        return quantize_units(unit_values(u, amax, i), amax[i:], axis, tile).to(u.dtype)
+
+    vu = again(vu, 2, 1) if "v" in reused else vu
+    q_dk = again(q_dk, 0, 0) if "q" in reused else q_dk
+    k_dq = again(k_dq, 1, 0) if "k" in reused else k_dq
+    return vu, q_dk, k_dq
+
+
+def unquantized_operands(q, k, v, amax: torch.Tensor, reused: tuple[str, ...] = ()):
+    """requantize=False: the backward takes each of q, k, v it does not reuse unquantized, as
+    its own units with a decode factor of exactly 1 (its amax set to 6 * 448: amax / (6 * 448)
+    is exactly 1 in fp32); the ones in `reused` are the forward's units. Returns
+    backward_operands' five operands and the amaxes to decode them with."""
+    amax = amax.clone()
+    ops = []
+    for i, (name, t) in enumerate(zip("qkv", (q, k, v), strict=True)):
+        if name not in reused:
+            t = t.contiguous()
+            amax[i] = 6.0 * SCALE_MAX
+        ops.append(t)
+    qu, ku, vu = ops
+    return qu, ku, vu, qu, ku, amax

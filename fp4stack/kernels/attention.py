@@ -1,7 +1,6 @@
-"""Flash-attention-style Triton forward of NVFP4 attention (Q, K, V in NVFP4 1x16 RNE, P
-unquantized: the default AttentionQuant, and also its ablations of reuse and ds=None, whose
-forward is the same), matching fp4stack.nn.attention.fp4_attention; the backward is in
-attention_bwd.py.
+"""Flash-attention-style Triton forward of NVFP4 attention (Q, K, V in NVFP4, P unquantized:
+the default AttentionQuant and its ablations, whose forwards differ only in Q̂, K̂, V̂),
+matching fp4stack.nn.attention.fp4_attention; the backward is in attention_bwd.py.
 
 Two passes. A prologue (attention_units.py's quantize_units_kernel) quantizes
 Q and K in 16-wide blocks along d and V in 16-key blocks along the keys, once, from the global

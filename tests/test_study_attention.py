@@ -11,6 +11,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import study_attention_induction as induction  # noqa: E402
 import study_attention_quantization as study  # noqa: E402
 import study_attention_step as step  # noqa: E402
 
@@ -156,3 +157,15 @@ def test_step_table_starts_every_setting_from_the_same_weights(tmp_path, capsys)
     assert all(r[1] == r[2] == 0.0 for r in rows)  # lr 0: both forwards unchanged
     assert len({r[4] for r in rows}) > 1  # lr 1e-2, exact forward: the gradients differ
     assert "| exact attention | 1.0000 |" in capsys.readouterr().out
+
+
+def test_induction_study_settings_share_the_forward_and_differ_in_the_backward():
+    """Every setting starts from the same weights on the same batch: the first loss is the
+    same wherever the forward is (round-to-nearest Q, K, V), and the second differs once the
+    backwards (reuse or not) have taken one step."""
+    reuse, _ = induction.train(induction.SETTINGS["reuse (default)"], seed=0, steps=2)
+    noreuse, final = induction.train(induction.SETTINGS["no reuse"], seed=0, steps=2)
+    assert reuse[0] == noreuse[0] and reuse[1] != noreuse[1]
+    x, y = induction.copy_batch(torch.Generator().manual_seed(0))
+    assert torch.equal(x[:, 32:], x[:, :31]) and torch.equal(y[:, :-1], x[:, 1:])
+    assert 0 < final < 10

@@ -21,6 +21,8 @@ import math
 import statistics
 from pathlib import Path
 
+from plots import curves_axes, save_curves
+
 from fp4stack.train.compare import seed_band
 from fp4stack.train.metrics import read_metrics
 
@@ -87,27 +89,16 @@ def main() -> None:
                        f"{sign_test(worse, len(diffs)):.4f}")
     print("", *summary, sep="\n")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        # the legend goes below the axes, where it hides no curve however many pairs there are
-        fig, ax = plt.subplots(figsize=(8, 4.5 + 0.18 * len(curves)))
+        fig, ax = curves_axes(len(curves))
         for index, (label, band) in enumerate(curves):
             steps, mean, lo, hi = zip(*((t, m, lo, hi) for t, (_, m, lo, hi) in band.items()),
                                       strict=True)
             ax.plot(steps, mean, marker="o", markersize=3, label=label, color=f"C{index % 10}")
             ax.fill_between(steps, lo, hi, color=f"C{index % 10}", alpha=0.12, linewidth=0)
         ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss, A relative to B (%)")
-        ax.set_title("Paired by seed: mean and min..max over seeds; above 0, A is worse")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        print(f"written: {args.plot}")
+        save_curves(fig, ax, args.plot, xlabel="step",
+                    ylabel="validation loss, A relative to B (%)",
+                    title="Paired by seed: mean and min..max over seeds; above 0, A is worse")
 
 
 if __name__ == "__main__":

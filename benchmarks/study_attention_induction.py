@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from plots import curves_axes, save_curves
 
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.attention import NVFP4_SR, AttentionQuant, use_fp4_attention
@@ -103,26 +104,16 @@ def main() -> None:
               " | ".join(f"{v:.3f}" for v in at) + f" |  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5 + 0.18 * len(curves)))
+        fig, ax = curves_axes(len(curves))
         for i, (name, mean) in enumerate(curves.items()):
             smooth = [sum(mean[max(0, j - 9):j + 1]) / len(mean[max(0, j - 9):j + 1])
                       for j in range(len(mean))]
             ax.plot(range(1, len(mean) + 1), smooth, label=name, color=f"C{i % 10}",
                     linestyle="-" if i < 5 else "--")
         ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss on the repeat (seed mean, 10-step avg)")
-        ax.set_title("Copy task: which FP4 attention backward stays stable")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        print(f"written: {args.plot}")
+        save_curves(fig, ax, args.plot, xlabel="step",
+                    ylabel="loss on the repeat (seed mean, 10-step avg)",
+                    title="Copy task: which FP4 attention backward stays stable")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,13 @@ from safetensors.torch import load_file
 from fp4stack.formats.hadamard import rht, rht_inverse
 from fp4stack.models import GPT
 from fp4stack.models.gpt import Attention
-from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention, quantize_along
+from fp4stack.nn.attention import (
+    NVFP4_RNE,
+    AttentionQuant,
+    fp4_attention,
+    quantize_along,
+    use_fp4_attention,
+)
 from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.train.config import load_config
 from fp4stack.train.trainer import open_data
@@ -286,11 +292,7 @@ def weight_grads(checkpoint: Path, config: str, batches: int, attention: Attenti
     """Per training batch (micro-batch sized), the float64 gradients of every parameter of the
     checkpoint's GPT with its attention blocks running fp4_attention(config=attention)."""
     cfg, train, _, model = load_model(checkpoint, config, device)
-    model.double()
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.attend = (lambda q, k, v, mask=None: fp4_attention(
-                q, k, v, causal=mask is None, mask=mask, config=attention, backend="torch"))
+    use_fp4_attention(model.double(), attention, backend="torch")
     grads = []
     for step in range(batches):
         x, y = train.train_batch(step, cfg.micro_batch_size, cfg.seq_len, seed=cfg.seed)

@@ -19,29 +19,15 @@ import argparse
 from pathlib import Path
 
 import torch
-from study_attention_quantization import adam_normalised, load_model, weight_grads
+from study_attention_quantization import CONFIGS, adam_normalised, load_model, weight_grads
 
-from fp4stack.models.gpt import Attention
-from fp4stack.nn.attention import AttentionQuant, fp4_attention
+from fp4stack.nn.attention import AttentionQuant, use_fp4_attention
 
-SETTINGS = {
-    "exact attention": AttentionQuant.off(),
-    "Q, K, V, dS; reuse (default)": AttentionQuant.paper(),
-    "Q, K, V, dS; no reuse": AttentionQuant(reuse=False),
-    "Q, K, V, dS; reuse, re-blocked": AttentionQuant(reblock=True),
-    "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims": AttentionQuant(
-        reuse=False, requantize_along="forward", requantize_rounding="stochastic"),
-    "Q, K, V, dS; no reuse, stochastic rounding": AttentionQuant(
-        reuse=False, requantize_rounding="stochastic"),
-}
-
-
-def use_attention(model, config: AttentionQuant) -> None:
-    """Every attention block of `model` runs fp4_attention with `config` (torch reference)."""
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.attend = (lambda q, k, v, mask=None: fp4_attention(
-                q, k, v, causal=mask is None, mask=mask, config=config, backend="torch"))
+# The attention study's settings of the same names, after exact attention's own gradient.
+SETTINGS = {"exact attention": AttentionQuant.off(), **{name: CONFIGS[name] for name in (
+    "Q, K, V, dS; reuse (default)", "Q, K, V, dS; no reuse", "Q, K, V, dS; reuse, re-blocked",
+    "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims",
+    "Q, K, V, dS; no reuse, stochastic rounding")}}
 
 
 @torch.no_grad()
@@ -69,7 +55,7 @@ def step_table(checkpoint: Path, config: str, batches: int, lrs: list[float],
     forwards = {"FP4 forward": AttentionQuant.paper(), "exact forward": AttentionQuant.off()}
     before = {}
     for label, fwd in forwards.items():
-        use_attention(model, fwd)
+        use_fp4_attention(model, fwd, backend="torch")
         before[label] = val_loss(model, windows)
     print(f"\nValidation loss at the checkpoint: FP4 forward {before['FP4 forward']:.6f}, "
           f"exact forward {before['exact forward']:.6f} ({len(windows)} windows)\n")
@@ -89,7 +75,7 @@ def step_table(checkpoint: Path, config: str, batches: int, lrs: list[float],
                 for n, t in model.named_parameters():
                     t.copy_(start[n] - lr * direction[n])
             for label, fwd in forwards.items():
-                use_attention(model, fwd)
+                use_fp4_attention(model, fwd, backend="torch")
                 row.append(val_loss(model, windows) - before[label])
         rows.append(row)
         print(f"| {name} | {row[0]:.4f} | " + " | ".join(f"{c:+.6f}" for c in row[1:]) + " |",

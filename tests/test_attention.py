@@ -1,6 +1,7 @@
 """NVFP4 attention: exact when nothing is quantized, equal to an independent fake-quant reference
 when it is, tensor reuse really reusing, masking, shapes and dtypes, and the GPT hook."""
 
+import dataclasses
 import math
 
 import pytest
@@ -466,8 +467,11 @@ def test_config_validation():
         AttentionQuant(reuse=False, requantize=False, requantize_rounding="stochastic")
     assert AttentionQuant(reuse=False, requantize_along="forward",
                           requantize_rounding="stochastic").describe() == (
-        "quantized: q, k, v, ds; reuse=False; the others re-quantized along the forward dims, "
-        "stochastic rounding")
+        "quantized: q, k, v, ds; reuse=False; the others re-quantized along the forward dims "
+        "with stochastic rounding")
+    sr_tiles = dataclasses.replace(NVFP4_SR, block=(16, 16))
+    assert AttentionQuant(q=NVFP4_SR, v=sr_tiles).describe() == (
+        "quantized: q (stochastic), k, v (16x16 tiles, stochastic), ds; reuse=True")
     assert AttentionQuant(rotate_qk=True).describe().endswith(
         "; Q, K Hadamard-rotated along head_dim")
     (q, k, v), _ = inputs(S=4, d=24)

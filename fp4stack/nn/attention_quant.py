@@ -158,7 +158,7 @@ class AttentionQuant:
         return any(getattr(self, name) is not None for name in _FLAGS)
 
     def describe(self) -> str:
-        on = [name + (" (16x16 tiles)" if getattr(self, name).is_2d else "")
+        on = [name + _spec_note(getattr(self, name))
               for name in _FLAGS if getattr(self, name) is not None]
         reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
         fresh = "" if self.requantize else "; the others unquantized in the backward"
@@ -168,10 +168,16 @@ class AttentionQuant:
         if self.requantize_along != "reduction":
             how.append(f"along the {self.requantize_along} dims")
         if self.requantize_rounding is not None:
-            how.append(f"{self.requantize_rounding} rounding")
-        how = f"; the others re-quantized {', '.join(how)}" if how else ""
+            how.append(f"with {self.requantize_rounding} rounding")
+        how = f"; the others re-quantized {' '.join(how)}" if how else ""
         return (f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{how}"
                 f"{rotate}")
+
+
+def _spec_note(spec: QuantSpec) -> str:
+    notes = (["16x16 tiles"] if spec.is_2d else []) + \
+        (["stochastic"] if spec.rounding == "stochastic" else [])
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def stochastic_seed(spec: QuantSpec | None) -> int | None:

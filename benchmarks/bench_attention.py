@@ -185,8 +185,8 @@ FP32_PTRS = ("lse_ptr", "amax_ptr", "delta_ptr", "partial_ptr", "dbg_ptr")
 def compile_check() -> list[str]:
     """Compile every kernel for sm_90 (bf16, d 64 and 128, default tiles; the prologue in its
     three block shapes, the first two also with stochastic rounding; the backward also in the
-    variants of the ablations reuse=False and ds=None) without a GPU; report ptxas's registers
-    and spills when a ptxas that reads Triton's PTX is at hand."""
+    variants of the ablations reuse=False and ds=None, and delta="dp"'s first pass) without a
+    GPU; report ptxas's registers and spills when a ptxas that reads Triton's PTX is at hand."""
     import triton.language as tl
 
     from fp4stack.kernels import attention as fa
@@ -221,7 +221,15 @@ def compile_check() -> list[str]:
                       dict(bwd, ATOMIC_DQ=True, **flags)),
                      (f"dkdv {tag}", ba.dkdv_kernel, tiles["dkdv"],
                       dict(bwd, ATOMIC_DQ=False, **flags))]
+        # delta="dp": the first pass's own sweep for rowsum(P ∘ dP), before its amax sweep, or
+        # alone with ds=None.
+        jobs += [("amax delta-dp", ba.query_kernel, tiles["amax"],
+                  dict(bwd, DQ=False, REUSE=False, DELTA_DP=True)),
+                 ("delta-dp ds-hp", ba.query_kernel, tiles["amax"],
+                  dict(bwd, DQ=False, REUSE=False, QUANT_DS=False, DELTA_DP=True))]
         for label, fn, t, consts in jobs:
+            if "DELTA_DP" in fn.arg_names:
+                consts = {"DELTA_DP": False, **consts}
             if "BLOCK_M" in fn.arg_names:
                 consts = dict(consts, BLOCK_M=t.block_m, BLOCK_N=t.block_n)
             types = {n: "*fp32" if n in FP32_PTRS or (n == "dq_ptr" and fn is ba.dkdv_kernel)

@@ -1,8 +1,8 @@
 """NVFP4 attention: exact when nothing is quantized, equal to an independent fake-quant reference
 when it is, tensor reuse really reusing, masking, shapes and dtypes, and the GPT hook."""
 
-import dataclasses
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -366,6 +366,35 @@ def test_requantize_with_stochastic_rounding_is_fresh_and_unbiased():
 
 
 # ---- masking, shapes, dtypes ---------------------------------------------------------------
+@pytest.mark.parametrize("S,L,causal", [(24, 24, True), (17, 29, False)])
+def test_delta_from_dp_is_the_softmax_gradient_of_the_backwards_dp(S, L, causal):
+    """delta="dp": dS = P ∘ (dP - rowsum(P ∘ dP)), the softmax's gradient for the dP the
+    backward computes. Only V is quantized here, and not reused: dP = dO V'ᵀ with V' blocked
+    along d, while the forward's O = P V̂ has V̂ blocked along keys. So dQ and dK must be
+    autograd's through softmax(QKᵀ) against V', which flash attention's rowsum(dO ∘ O) misses."""
+    qkv, do = inputs(S=S, L=L, d=32, seed=5)
+    q, k = (t.detach().clone().requires_grad_() for t in qkv[:2])
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(32)
+    if causal:
+        s = s.masked_fill(~causal_mask(S, L), float("-inf"))
+    (torch.softmax(s, -1) @ fq(qkv[2].detach(), -1)).backward(do)
+    cfg = AttentionQuant(q=None, k=None, ds=None, reuse=False, delta="dp")
+    _, dq, dk, _ = run(qkv, do, config=cfg, causal=causal)
+    torch.testing.assert_close(dq, q.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dk, k.grad, rtol=1e-10, atol=1e-12)
+    _, dq_out, dk_out, _ = run(qkv, do, config=replace(cfg, delta="output"), causal=causal)
+    assert not torch.allclose(dq_out, q.grad, rtol=1e-3)
+    assert not torch.allclose(dk_out, k.grad, rtol=1e-3)
+
+
+def test_delta_from_dp_is_flash_attentions_delta_under_reuse():
+    """With the forward's V̂ in dP, rowsum(P ∘ dP) = rowsum(dO ∘ P V̂) = rowsum(dO ∘ O)."""
+    qkv, do = inputs(S=33, L=40, d=32, seed=6)
+    cfg = AttentionQuant(ds=None)
+    assert_all_close(run(qkv, do, config=replace(cfg, delta="dp")), run(qkv, do, config=cfg),
+                     rtol=1e-10, atol=1e-12)
+
+
 def test_future_tokens_get_zero_gradient_and_no_influence():
     qkv, do = inputs(S=48, d=16, dtype=torch.float32)
     with torch.no_grad():  # keep each global amax in the past, so changing the future moves none
@@ -469,9 +498,13 @@ def test_config_validation():
                           requantize_rounding="stochastic").describe() == (
         "quantized: q, k, v, ds; reuse=False; the others re-quantized along the forward dims "
         "with stochastic rounding")
-    sr_tiles = dataclasses.replace(NVFP4_SR, block=(16, 16))
+    sr_tiles = replace(NVFP4_SR, block=(16, 16))
     assert AttentionQuant(q=NVFP4_SR, v=sr_tiles).describe() == (
         "quantized: q (stochastic), k, v (16x16 tiles, stochastic), ds; reuse=True")
+    with pytest.raises(ValueError, match="delta must be one of"):
+        AttentionQuant(delta="o")
+    assert AttentionQuant(reuse=False, delta="dp").describe() == (
+        "quantized: q, k, v, ds; reuse=False; delta = rowsum(P ∘ dP)")
     assert AttentionQuant(rotate_qk=True).describe().endswith(
         "; Q, K Hadamard-rotated along head_dim")
     (q, k, v), _ = inputs(S=4, d=24)

@@ -340,9 +340,15 @@ HP_BWD_V = AttentionQuant(reuse=("v",), requantize=False)
 REBLOCK = AttentionQuant(reblock=True)
 REBLOCK_V = AttentionQuant(reuse=("v",), reblock=True)
 REBLOCK_QK_HP = AttentionQuant(reuse=("q", "k"), requantize=False, reblock=True)
+# delta = rowsum(P ∘ dP) from the backward's own dP (a sweep of its own in the first pass):
+# without reuse, with dS in high precision too (that pass then only sums), and with reuse.
+NOREUSE_DELTA = AttentionQuant(reuse=False, delta="dp")
+BOTH_DELTA = AttentionQuant(reuse=False, ds=None, delta="dp")
+REUSE_DELTA = AttentionQuant(delta="dp")
 ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP, reuse_v=REUSE_V, reuse_qk=REUSE_QK,
                  hp_bwd=HP_BWD, hp_bwd_v=HP_BWD_V, reblock=REBLOCK, reblock_v=REBLOCK_V,
-                 reblock_qk_hp=REBLOCK_QK_HP)
+                 reblock_qk_hp=REBLOCK_QK_HP, noreuse_delta=NOREUSE_DELTA,
+                 both_delta=BOTH_DELTA, reuse_delta=REUSE_DELTA)
 
 
 def test_backward_operands_bit_exact():
@@ -400,8 +406,9 @@ def test_ablation_backward_matches_reference(name, S, L, d, deterministic, causa
     assert_grads_close(got, grads(q, k, v, do, causal, "torch", config=cfg), **GRAD_TOL)
 
 
-@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH, HP_BWD_V, REBLOCK],
-                         ids=["noreuse", "ds_hp", "both", "hp_bwd_v", "reblock"])
+@pytest.mark.parametrize("cfg", [NOREUSE, DS_HP, BOTH, HP_BWD_V, REBLOCK, NOREUSE_DELTA],
+                         ids=["noreuse", "ds_hp", "both", "hp_bwd_v", "reblock",
+                              "noreuse_delta"])
 def test_ablation_gqa(cfg):
     """GQA through fp4_attention (K/V heads indexed in-kernel; the reference quantizes them
     per K/V head and repeats them), causal, with a scale. Measured max abs error over the three
@@ -607,10 +614,22 @@ def test_gpu_backward_large(S, L, d, causal, deterministic, monkeypatch):
     wrong block axis, scale or amax moves nearly every row) and the relative Frobenius error is
     small; bf16, the relative Frobenius error of the CPU bf16 test."""
     monkeypatch.setattr("fp4stack.kernels.attention_bwd.DETERMINISTIC", deterministic)
+    check_large(S, L, d, causal, AttentionQuant.paper())
+
+
+@gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("S, L, d", [(1000, 1000, 128), (257, 1300, 64)])
+def test_gpu_delta_from_dp_large(S, L, d, causal):
+    """delta="dp" without reuse (its own sweep for rowsum(P ∘ dP)), checked as the default."""
+    check_large(S, L, d, causal, NOREUSE_DELTA)
+
+
+def check_large(S, L, d, causal, cfg):
     q, k, v = draw(2, 4, S, L, d, seed=6)
     do = draw(2, 4, S, 1, d, seed=7)[0]
-    want = grads(q, k, v, do, causal, "torch")
-    got = grads(q, k, v, do, causal, "triton")
+    want = grads(q, k, v, do, causal, "torch", config=cfg)
+    got = grads(q, k, v, do, causal, "triton", config=cfg)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         rows_off = (~torch.isclose(a, b, atol=2e-5, rtol=1e-4)).any(-1).float().mean()
         rel = (a - b).norm() / b.norm()
@@ -618,8 +637,8 @@ def test_gpu_backward_large(S, L, d, causal, deterministic, monkeypatch):
         assert rows_off <= FLIP_ROWS, name
         assert rel < 1e-2, name
     bf = [t.to(torch.bfloat16) for t in (q, k, v, do)]
-    got = grads(*bf, causal, "auto")
-    want = grads(*[t.float() for t in bf], causal, "torch")
+    got = grads(*bf, causal, "auto", config=cfg)
+    want = grads(*[t.float() for t in bf], causal, "torch", config=cfg)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == torch.bfloat16
         assert (a.float() - b).norm() / b.norm() < REL_BF16, name

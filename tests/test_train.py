@@ -381,7 +381,7 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
              "fullstack-nvidia-tiles": True, "fullstack-nvidia-rotated": True,
              "fullstack-nvidia-rotated-noreuse": False, "fullstack-nvidia-fresh-sr": False,
              "fullstack-nvidia-noreuse-sr": False, "fullstack-nvidia-sr-qkv": True,
-             "fullstack-nvidia-sr-qkv-noreuse": False}
+             "fullstack-nvidia-sr-qkv-noreuse": False, "fullstack-nvidia-noreuse-delta": False}
     for name, want in reuse.items():
         r = PRESETS[name]
         assert r.name == name
@@ -395,8 +395,9 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         how = {"requantize_rounding": "stochastic"} if sr else {}
         if name.endswith("fresh-sr"):
             how["requantize_along"] = "forward"
+        delta = "dp" if name.endswith("delta") else "output"
         assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
-                                             rotate_qk=rotate, **specs, **how), name
+                                             rotate_qk=rotate, delta=delta, **specs, **how), name
         assert ("Hadamard-rotated" in r.attention.describe()) == rotate, name
         assert r.attention.describe().count("16x16 tiles") == (
             3 if name.endswith("tiles") else 0), name

@@ -25,6 +25,8 @@ prologue (E2M1 x E4M3 values, exact in bf16) and applying the scalar global fact
    it recomputes S = Q̂ K̂ᵀ, P = exp(S - lse) with the forward's lse, dP = dO V̂ᵀ,
    dS = P ∘ (dP - delta), and writes each program's max |dS|; their max is the global amax (on
    the device, no host sync). Without it (ds=None) delta_kernel computes delta.
+   delta="dp" (DELTA_DP) takes delta = rowsum(P ∘ dP) instead, from a sweep over the key tiles
+   of its own before the amax sweep (two more dots; with ds=None the pass does only that).
    Like the forward, it masks only the key tiles that need it (attention.key_range).
 3. dkdv_kernel (key-major: BLOCK_N keys, loop over query tiles, tiles transposed so that Pᵀ and
    dSᵀ come straight out of the dots): dV += Pᵀ dO; dSᵀ quantized in 16-blocks along the queries,
@@ -122,8 +124,9 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                  DQ: tl.constexpr, REUSE: tl.constexpr, QUANT_DS: tl.constexpr,
                  MMA_TY: tl.constexpr, PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr,
-                 DEBUG: tl.constexpr):
-    """query_kernel's loop over key tiles [lo, hi); MASK: apply the causal and key-count masks."""
+                 DEBUG: tl.constexpr, DELTA: tl.constexpr):
+    """query_kernel's loop over key tiles [lo, hi); MASK: apply the causal and key-count masks.
+    DELTA: add the rows' rowsum(P ∘ dP) into m instead (delta="dp", before delta is known)."""
     DOT_TY: tl.constexpr = ku_ptr.dtype.element_ty
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok, k, v, s = key_tile_scores(q, ku_ptr, v_dp_ptr, kv_base, start_n, rows, S,
@@ -132,7 +135,9 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION) * v_dec
         ds = p * (dp - delta[:, None])
-        if DQ:
+        if DELTA:
+            m += tl.sum(p * dp, 1)
+        elif DQ:
             k_dq = k
             if not REUSE:  # K̂ with blocks along the keys; rows past L load as zeros, as K̂ does
                 kv_off = kv_base + keys[:, None] * D + tl.arange(0, D)[None, :]
@@ -156,10 +161,12 @@ def query_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DQ: tl.constexpr, REUSE: tl.constexpr, QUANT_DS: tl.constexpr, MMA_TY: tl.constexpr,
     PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr, DEBUG: tl.constexpr,
+    DELTA_DP: tl.constexpr = False,
 ):
     """BLOCK_M query rows against every key tile they see: S from the units qu, ku (blocks along
     d), dP from v_dp. DQ=False: first the rows' delta = rowsum(dO ∘ O) from o into delta (the
-    later passes read it there), then the rows' max |dS| into partial[program]. DQ=True: dQ
+    later passes read it there; DELTA_DP: rowsum(P ∘ dP), from a sweep of its own over the key
+    tiles), then, if QUANT_DS, the rows' max |dS| into partial[program]. DQ=True: dQ
     rows from dS (quantized along the keys with amax_ptr[3] if QUANT_DS) times the K units
     k_dq (REUSE: ku itself, k_dq_ptr unused); DEBUG also writes the raw dS to dbg[2] and the
     dS operand's values to dbg[3] ([4, B*H, S, L] fp32)."""
@@ -170,29 +177,41 @@ def query_kernel(
     lse = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
     if DQ:
         delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
-    else:
+    elif not DELTA_DP:
         delta = _delta(o_ptr, do, q_off, row_ok)
         tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=row_ok)
     do = do.to(MMA_TY)
     _, k_dec, qk_scale, v_dec = score_factors(amax_ptr, scale)
     ds_amax, ds_dec = ds_factors(amax_ptr, QUANT_DS)
     kv_base = (bh // G).to(tl.int64) * L * D  # G query heads per K/V head
-    m = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     lo, hi = key_range(pid_m, S, L, BLOCK_M, BLOCK_N, CAUSAL)
-    # Key tiles [0, lo) need no mask, [lo, hi) do.
-    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
-                          kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec,
-                          D, BLOCK_N, False, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
-                          SCALE_MAX, DEBUG)
-    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
-                          kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec,
-                          D, BLOCK_N, True, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
-                          SCALE_MAX, DEBUG)
+    if DELTA_DP and not DQ:
+        delta = tl.zeros((BLOCK_M,), tl.float32)
+        delta, acc = _query_tiles(delta, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr,
+                                  dbg_ptr, kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec,
+                                  ds_amax, ds_dec, D, BLOCK_N, False, CAUSAL, DQ, REUSE,
+                                  QUANT_DS, MMA_TY, PRECISION, SCALE_MAX, DEBUG, True)
+        delta, acc = _query_tiles(delta, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr,
+                                  dbg_ptr, kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec,
+                                  ds_amax, ds_dec, D, BLOCK_N, True, CAUSAL, DQ, REUSE,
+                                  QUANT_DS, MMA_TY, PRECISION, SCALE_MAX, DEBUG, True)
+        tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=row_ok)
+    m = tl.zeros((BLOCK_M,), tl.float32)
+    if DQ or QUANT_DS:
+        # Key tiles [0, lo) need no mask, [lo, hi) do.
+        m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                              kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec, ds_amax,
+                              ds_dec, D, BLOCK_N, False, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY,
+                              PRECISION, SCALE_MAX, DEBUG, False)
+        m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                              kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax,
+                              ds_dec, D, BLOCK_N, True, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY,
+                              PRECISION, SCALE_MAX, DEBUG, False)
     if DQ:
         dq = acc * (ds_dec * k_dec * scale)
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
+    elif QUANT_DS:
         tl.store(partial_ptr + bh.to(tl.int64) * tl.num_programs(0) + pid_m,
                  tl.reduce(m, 0, _max_nan))
 
@@ -280,7 +299,8 @@ def dkdv_kernel(
 
 def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
                    tiles: dict[str, Tile], deterministic: bool | None = None,
-                   debug: bool = False, *, q_dk=None, k_dq=None, quant_ds: bool = True):
+                   debug: bool = False, *, q_dk=None, k_dq=None, quant_ds: bool = True,
+                   delta_dp: bool = False):
     """(dq, dk, dv, ds_amax, dbg) for the units, output and lse of attention.forward_units.
 
     qu, ku: Q̂, K̂ with blocks along d (S is recomputed from them); vu: the V̂ of dP = dO V̂ᵀ.
@@ -293,7 +313,9 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     [4, B, H, S, L] fp32: the raw dS the dK pass used, its dK operand's values (dŜ along queries),
     the raw dS the dQ pass used, its dQ operand's values (dŜ along keys); tiles no program
     visited stay NaN. deterministic: a dQ pass of its own instead of atomic adds (None:
-    DETERMINISTIC).
+    DETERMINISTIC). delta_dp (delta="dp"): dS = P ∘ (dP - rowsum(P ∘ dP)), the row sums from a
+    sweep of their own in the first query pass (which, with ds=None, does nothing else),
+    instead of rowsum(dO ∘ O).
     """
     deterministic = DETERMINISTIC if deterministic is None else deterministic
     reuse = q_dk is None and k_dq is None
@@ -316,17 +338,17 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
                   PRECISION=precision, SCALE_MAX=SCALE_MAX, **opts)
     delta = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     out = out.contiguous()
-    if quant_ds:  # delta and the global amax of dS, before any dS is quantized
+    if quant_ds or delta_dp:  # delta and the global amax of dS, before any dS is quantized
         t = tiles["amax"]
         grid = (triton.cdiv(S, t.block_m), B * H)
         partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
         amax4 = torch.cat([amax, amax[:1]])  # slot 3 (dS) unused by the amax pass
         query_kernel[grid](qu, ku, k_dq, vu, do, out, lse, delta, amax4, partial, partial,
                            partial, B * H, S, L, G, scale, BLOCK_M=t.block_m,
-                           BLOCK_N=t.block_n, DQ=False, DEBUG=False, **common,
-                           num_warps=t.num_warps, num_stages=t.num_stages)
-        ds_amax = partial.amax()
-        amax4 = torch.cat([amax, ds_amax.reshape(1)])
+                           BLOCK_N=t.block_n, DQ=False, DEBUG=False, DELTA_DP=delta_dp,
+                           **common, num_warps=t.num_warps, num_stages=t.num_stages)
+        ds_amax = partial.amax() if quant_ds else None
+        amax4 = torch.cat([amax, ds_amax.reshape(1)]) if quant_ds else amax4
     else:  # slot 3 is never read
         delta_kernel[(triton.cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
                                                      **opts)

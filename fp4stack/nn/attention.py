@@ -46,6 +46,10 @@ random Hadamard transform, computed in torch before either backend, bit-exact on
 R is orthogonal, so S = (QR)(KR)ᵀ = QKᵀ before quantization, and autograd takes dQ, dK back
 through Rᵀ; what changes is which values Q̂, K̂ round to, since a block's outliers spread out.
 
+delta="dp": dS = P ∘ (dP - rowsum(P ∘ dP)) instead of flash attention's rowsum(dO ∘ O), the
+softmax's gradient for the backward's own dP. With the forward's V̂ in dP (reuse) the two are the
+same sum; with another V' (no reuse, re-blocked V̂) only "dp" keeps each row of dS summing to 0.
+
 Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
 saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
 term and every accumulation (fp32; fp64 when the inputs are fp64, for tight tests). Unquantized
@@ -60,7 +64,7 @@ attention_bwd (backward) for CUDA tensors when the config is the default or one 
 AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), Q, K, V rounded
 stochastically (NVFP4_SR) or re-quantized in the backward as requantize_along /
 requantize_rounding say (not with reblock), or Q, K, V in 16x16 tiles (with requantize and
-without reblock), any of them with rotate_qk, mask is None, head_dim is 16/32/64/128 and the
+without reblock), any of them with rotate_qk and either delta, mask is None, head_dim is 16/32/64/128 and the
 dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the same quantized values
 (bit-exact tiles; stochastic ones with the same seeds, drawn in the same order) and sums in
 another order (ds=None with 16-bit inputs: dS is rounded to that dtype for its dots, where the
@@ -231,7 +235,8 @@ class _FP4AttentionFn(torch.autograd.Function):
             p_dv = fresh(p, cfg.p, -2, -1)
         dv = p_dv.transpose(-2, -1) @ do
         dp = quantize_along(do, cfg.dp, -1, dt) @ v_dp.transpose(-2, -1)
-        ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
+        delta = (p * dp if cfg.delta == "dp" else do * o).sum(dim=-1, keepdim=True)
+        ds = p * (dp - delta)
         dq = (quantize_along(ds, cfg.ds, -1, dt) @ k_dq) * scale
         dk = (quantize_along(ds, cfg.ds, -2, dt).transpose(-2, -1) @ q_dk) * scale
         dk, dv = _sum_heads(dk, ctx.groups), _sum_heads(dv, ctx.groups)
@@ -255,7 +260,7 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
     the default config with any reuse and/or ds=None, with Q, K, V rounded to nearest or
     stochastically and any requantize_along / requantize_rounding, and to Q, K, V in 16x16
-    tiles, with mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU
+    tiles, with either delta, mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU
     tensors only under the Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config

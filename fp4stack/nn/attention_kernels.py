@@ -22,7 +22,7 @@ def kernel_config(config: AttentionQuant) -> bool:
     nearest (NVFP4_RNE) or stochastically (NVFP4_SR), with any reuse, requantize,
     requantize_along, requantize_rounding and rotate_qk, reblock (round to nearest only), and/or
     ds=None; or Q, K, V in 16x16 tiles with requantize and no reblock (where every reuse gives
-    the same numbers). Other specs stay on the reference."""
+    the same numbers); either delta. Other specs stay on the reference."""
     if config.ds not in (None, NVFP4_RNE):
         return False
     how = dict(requantize_along="reduction", requantize_rounding=None)
@@ -37,7 +37,7 @@ def kernel_config(config: AttentionQuant) -> bool:
         return False
     # rotate_qk happens before either backend sees Q and K
     flags = dict(q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE, reuse=True, requantize=True,
-                 reblock=False, ds=NVFP4_RNE, rotate_qk=False, **how)
+                 reblock=False, ds=NVFP4_RNE, rotate_qk=False, delta="output", **how)
     return replace(config, **flags) == AttentionQuant.paper()
 
 
@@ -121,5 +121,6 @@ class TritonAttentionFn(torch.autograd.Function):
                 ctx.reused)
         dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
                                           ctx.causal, ctx.scale, ctx.tiles,
-                                          quant_ds=cfg.ds is not None, **alt)
+                                          quant_ds=cfg.ds is not None,
+                                          delta_dp=cfg.delta == "dp", **alt)
         return dq, dk, dv, None, None, None

@@ -17,6 +17,7 @@ _FLAGS = ("q", "k", "v", "p", "ds", "dp")
 _REUSABLE = ("q", "k", "v", "p")
 _REQUANTIZE_ALONG = ("reduction", "forward")
 _ROUNDINGS = ("rne", "stochastic")
+_DELTAS = ("output", "dp")
 # The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
 NVFP4_RNE = QuantSpec(nan_policy="propagate")
 # The same with stochastic rounding (a fresh draw per call): for Q, K, V, a forward whose rounding
@@ -59,6 +60,12 @@ class AttentionQuant:
     unchanged, but a block's outliers spread over its 16 elements, so fewer small elements round
     to zero (FlashAttention-3's incoherent processing for FP8). dQ and dK come back through the
     transpose; the backward still sees the forward's (rotated) Q̂ and K̂ when it reuses them.
+    delta: the row term of the softmax backward, dS = P ∘ (dP - delta). "output" (flash
+    attention's): rowsum(dO ∘ O), from the forward's output O = P V̂. "dp": rowsum(P ∘ dP), from
+    the backward's own dP, so each row of dS sums to zero whatever V operand dP took (the
+    softmax's exact gradient for that dP). The two agree when dP multiplies by the forward's V̂
+    (reuse of v, dp unquantized); without it "output" leaves a term P ∘ (dO (V' - V̂)ᵀ) that does
+    not vanish as attention sharpens.
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -73,6 +80,7 @@ class AttentionQuant:
     rotate_qk: bool = False
     requantize_along: str = "reduction"
     requantize_rounding: str | None = None
+    delta: str = "output"
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -95,6 +103,9 @@ class AttentionQuant:
         if self.requantize_rounding not in (None, *_ROUNDINGS):
             raise ValueError(f"AttentionQuant.requantize_rounding must be None (the forward "
                              f"spec's) or one of {_ROUNDINGS}, got {self.requantize_rounding!r}")
+        if self.delta not in _DELTAS:
+            raise ValueError(f"AttentionQuant.delta must be one of {_DELTAS} (rowsum(dO ∘ O) "
+                             f"or rowsum(P ∘ dP)), got {self.delta!r}")
         how = self.requantize_along != "reduction" or self.requantize_rounding is not None
         if how and (self.reuse is True or not self.requantize):
             raise ValueError("AttentionQuant.requantize_along/requantize_rounding say how the "
@@ -170,8 +181,9 @@ class AttentionQuant:
         if self.requantize_rounding is not None:
             how.append(f"with {self.requantize_rounding} rounding")
         how = f"; the others re-quantized {' '.join(how)}" if how else ""
+        delta = "; delta = rowsum(P ∘ dP)" if self.delta == "dp" else ""
         return (f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{how}"
-                f"{rotate}")
+                f"{rotate}{delta}")
 
 
 def _spec_note(spec: QuantSpec) -> str:

@@ -221,6 +221,12 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-sr-qkv-noreuse": fullstack_nvidia.with_(
             name="fullstack-nvidia-sr-qkv-noreuse",
             attention=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False)),
+        # No reuse with dS = P ∘ (dP - rowsum(P ∘ dP)), the softmax's gradient of the backward's
+        # own dP: every row of dS sums to zero as with reuse (the copy task's stability), while
+        # the operands stay re-quantized along each GEMM's reduction dim.
+        "fullstack-nvidia-noreuse-delta": fullstack_nvidia.with_(
+            name="fullstack-nvidia-noreuse-delta",
+            attention=AttentionQuant(reuse=False, delta="dp")),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -239,8 +245,8 @@ def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
-    -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -hp-backward), qat-w,
-    w8a8, w4a4, w4a4-rc.
+    -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -noreuse-delta,
+    -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""
     if isinstance(name, Recipe):

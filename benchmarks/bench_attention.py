@@ -88,6 +88,18 @@ def sdpa_variants(causal: bool):
     return out
 
 
+def fp4_variants(AttentionQuant) -> dict:
+    """The kernel configs timed, by the label suffix of their rows."""
+    from fp4stack.nn.attention import NVFP4_SR
+
+    return {"": AttentionQuant.paper(),
+            ", Q/K/V in 16x16 tiles": AttentionQuant.tiled(),
+            ", Q/K rotated": AttentionQuant(rotate_qk=True),
+            ", no reuse": AttentionQuant(reuse=False),
+            ", no reuse, delta from dP": AttentionQuant(reuse=False, delta="dp"),
+            ", Q/K/V stochastic": AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR)}
+
+
 def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     from fp4stack.nn.attention import AttentionQuant, fp4_attention
 
@@ -99,14 +111,10 @@ def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     flops = 4 * B * H * S * S * d / (2 if causal else 1)
     rows = []
     cands = sdpa_variants(causal)[:1 if device == "cpu" else None]
-    cands.append(("fp4 triton" + tiles_label,
-                  lambda q, k, v: fp4_attention(q, k, v, causal, backend="triton")))
-    tiled = AttentionQuant.tiled()
-    cands.append(("fp4 triton, Q/K/V in 16x16 tiles" + tiles_label,
-                  lambda q, k, v: fp4_attention(q, k, v, causal, tiled, backend="triton")))
-    rotated = AttentionQuant(rotate_qk=True)
-    cands.append(("fp4 triton, Q/K rotated" + tiles_label,
-                  lambda q, k, v: fp4_attention(q, k, v, causal, rotated, backend="triton")))
+    for name, cfg in fp4_variants(AttentionQuant).items():
+        cands.append((f"fp4 triton{name}{tiles_label}",
+                      lambda q, k, v, cfg=cfg: fp4_attention(q, k, v, causal, cfg,
+                                                             backend="triton")))
     if with_reference:
         cands.append(("fp4 torch reference",
                       lambda q, k, v: fp4_attention(q, k, v, causal, backend="torch")))

@@ -40,6 +40,14 @@ SETTINGS = {
     "Q, K, V stochastically rounded; no reuse": AttentionQuant(
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
     "high-precision backward": AttentionQuant(reuse=False, requantize=False),
+    # dS = P ∘ (dP - rowsum(P ∘ dP)): the softmax's gradient of the backward's own dP, so a
+    # V operand other than V̂ no longer leaves each row of dS a non-zero sum.
+    "no reuse; delta from dP": AttentionQuant(reuse=False, delta="dp"),
+    "reuse Q̂, K̂ only; delta from dP": AttentionQuant(reuse=("q", "k"), delta="dp"),
+    "Q, K, V stochastically rounded; no reuse; delta from dP": AttentionQuant(
+        q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False, delta="dp"),
+    "high-precision backward; delta from dP": AttentionQuant(reuse=False, requantize=False,
+                                                             delta="dp"),
 }
 VOCAB, SEQ, BATCH = 64, 64, 32
 
@@ -109,7 +117,7 @@ def main() -> None:
             smooth = [sum(mean[max(0, j - 9):j + 1]) / len(mean[max(0, j - 9):j + 1])
                       for j in range(len(mean))]
             ax.plot(range(1, len(mean) + 1), smooth, label=name, color=f"C{i % 10}",
-                    linestyle="-" if i < 5 else "--")
+                    linestyle=("-", "--", ":")[min(i // 5, 2)])
         ax.set_yscale("log")
         save_curves(fig, ax, args.plot, xlabel="step",
                     ylabel="loss on the repeat (seed mean, 10-step avg)",

@@ -64,11 +64,11 @@ attention_bwd (backward) for CUDA tensors when the config is the default or one 
 AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), Q, K, V rounded
 stochastically (NVFP4_SR) or re-quantized in the backward as requantize_along /
 requantize_rounding say (not with reblock), or Q, K, V in 16x16 tiles (with requantize and
-without reblock), any of them with rotate_qk and either delta, mask is None, head_dim is 16/32/64/128 and the
-dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the same quantized values
-(bit-exact tiles; stochastic ones with the same seeds, drawn in the same order) and sums in
-another order (ds=None with 16-bit inputs: dS is rounded to that dtype for its dots, where the
-reference keeps fp32). Everything else (p or dp quantized, q, k or v not, other specs), and CPU
+without reblock), any of them with rotate_qk and either delta, mask is None, head_dim is
+16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
+same quantized values (bit-exact tiles; stochastic ones with the same seeds, drawn in the same
+order) and sums in another order (ds=None with 16-bit inputs: dS is rounded to that dtype for
+its dots, where the reference keeps fp32). Everything else (p or dp quantized, q, k or v not, other specs), and CPU
 tensors, run this module's torch reference (backend="torch" forces it).
 
 Grouped-query attention: K and V are quantized once per K/V head, then repeated for the query
@@ -260,8 +260,8 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
     the default config with any reuse and/or ds=None, with Q, K, V rounded to nearest or
     stochastically and any requantize_along / requantize_rounding, and to Q, K, V in 16x16
-    tiles, with either delta, mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16 inputs; on CPU
-    tensors only under the Triton interpreter (TRITON_INTERPRET=1).
+    tiles, with either delta, mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16
+    inputs; on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config
     if not isinstance(config, AttentionQuant):

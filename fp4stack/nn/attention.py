@@ -68,8 +68,8 @@ without reblock), any of them with rotate_qk and either delta, mask is None, hea
 16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
 same quantized values (bit-exact tiles; stochastic ones with the same seeds, drawn in the same
 order) and sums in another order (ds=None with 16-bit inputs: dS is rounded to that dtype for
-its dots, where the reference keeps fp32). Everything else (p or dp quantized, q, k or v not, other specs), and CPU
-tensors, run this module's torch reference (backend="torch" forces it).
+its dots, where the reference keeps fp32). Everything else (p or dp quantized, q, k or v not,
+other specs), and CPU tensors, run this module's torch reference (backend="torch" forces it).
 
 Grouped-query attention: K and V are quantized once per K/V head, then repeated for the query
 heads that read them (as the kernels index them), so a stochastic rounding of K or V draws once

@@ -76,6 +76,9 @@ CONFIGS = {
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
     "Q, K, V stochastically rounded, dS; no reuse": AttentionQuant(
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
+    "Q, K, V, dS; no reuse, delta from dP": AttentionQuant(reuse=False, delta="dp"),
+    "Q, K, V; no reuse (dS high precision), delta from dP": AttentionQuant(
+        ds=None, reuse=False, delta="dp"),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
     "V only": AttentionQuant.only("v"),
@@ -284,7 +287,7 @@ WEIGHT_GRAD_CONFIGS = {name: CONFIGS[name] for name in (
     "Q, K, V, dS; high-precision backward",
     "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims",
     "Q, K, V, dS; no reuse, stochastic rounding", "Q, K, V stochastically rounded, dS; reuse",
-    "Q, K, V stochastically rounded, dS; no reuse")}
+    "Q, K, V stochastically rounded, dS; no reuse", "Q, K, V, dS; no reuse, delta from dP")}
 
 
 def weight_grads(checkpoint: Path, config: str, batches: int, attention: AttentionQuant,

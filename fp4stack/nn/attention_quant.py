@@ -64,8 +64,8 @@ class AttentionQuant:
     attention's): rowsum(dO ∘ O), from the forward's output O = P V̂. "dp": rowsum(P ∘ dP), from
     the backward's own dP, so each row of dS sums to zero whatever V operand dP took (the
     softmax's exact gradient for that dP). The two agree when dP multiplies by the forward's V̂
-    (reuse of v, dp unquantized); without it "output" leaves a term P ∘ (dO (V' - V̂)ᵀ) that does
-    not vanish as attention sharpens.
+    (reuse of v; p and dp unquantized); without it "output" leaves a term P ∘ (dO (V' - V̂)ᵀ)
+    that does not vanish as attention sharpens.
     """
 
     q: QuantSpec | None = NVFP4_RNE

@@ -11,12 +11,20 @@ method's FP4 forward on held-out sequences; the curves are the training loss.
 
     python benchmarks/study_attention_induction.py --steps 200 --seeds 0 1 2 \
         --plot docs/attention_induction.png
+
+At other sizes, and on a GPU through the Triton kernels where they compute the setting (bf16
+autocast, the way the trainer runs them; the others fall back to the torch reference):
+
+    python benchmarks/study_attention_induction.py --device cuda --dim 512 --layers 4 \
+        --heads 8 --seq 1024 --batch 16 --only "reuse (default)" "no reuse"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -49,42 +57,65 @@ SETTINGS = {
     "high-precision backward; delta from dP": AttentionQuant(reuse=False, requantize=False,
                                                              delta="dp"),
 }
-VOCAB, SEQ, BATCH = 64, 64, 32
+VOCAB = 64
 
 
-def copy_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets): 32 random tokens then the same 32 again, shifted by one."""
-    half = torch.randint(0, VOCAB, (BATCH, SEQ // 2), generator=g)
-    x = torch.cat([half, half], 1)
-    return x[:, :-1], x[:, 1:]
+@dataclass(frozen=True)
+class Task:
+    """The model and the copy task's shape; the defaults are the CPU study's."""
+
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    seq: int = 64
+    batch: int = 32
+    device: str = "cpu"
+
+    def model(self) -> GPT:
+        return GPT(GPTConfig(vocab_size=VOCAB, dim=self.dim, n_layers=self.layers,
+                             n_heads=self.heads, n_kv_heads=self.heads, ffn_hidden=2 * self.dim,
+                             max_seq_len=self.seq, qk_norm=False)).to(self.device)
+
+    def batch_of(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets): seq/2 random tokens then the same again, shifted by one."""
+        half = torch.randint(0, VOCAB, (self.batch, self.seq // 2), generator=g)
+        x = torch.cat([half, half], 1).to(self.device)
+        return x[:, :-1], x[:, 1:]
+
+    def autocast(self):
+        cuda = self.device.startswith("cuda")
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
 
 def repeat_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy on the repeated half, where the tokens are predictable."""
     logits, _ = model(x)
-    return F.cross_entropy(logits[:, SEQ // 2:].reshape(-1, VOCAB), y[:, SEQ // 2:].reshape(-1))
+    half = (x.shape[1] + 1) // 2
+    return F.cross_entropy(logits[:, half:].float().reshape(-1, VOCAB), y[:, half:].reshape(-1))
 
 
-def train(setting: AttentionQuant, seed: int, steps: int, lr: float = 3e-3
-          ) -> tuple[list[float], float]:
-    """Training losses per step and the final held-out loss with the method's FP4 forward."""
+def train(setting: AttentionQuant, seed: int, steps: int, task: Task = Task(),
+          lr: float = 3e-3) -> tuple[list[float], float]:
+    """Training losses per step and the final held-out loss with the method's FP4 forward.
+    On CUDA the attention runs the kernels where they compute `setting` (backend auto)."""
+    backend = "torch" if task.device == "cpu" else "auto"
     torch.manual_seed(seed)  # the same initialisation (and stochastic draws) for every setting
-    model = GPT(GPTConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=4,
-                          ffn_hidden=128, max_seq_len=SEQ, qk_norm=False))
-    use_fp4_attention(model, setting, backend="torch")
+    model = task.model()
+    use_fp4_attention(model, setting, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(1000 + seed)
     losses = []
     for _ in range(steps):
-        loss = repeat_loss(model, *copy_batch(g))
+        with task.autocast():
+            loss = repeat_loss(model, *task.batch_of(g))
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    use_fp4_attention(model, AttentionQuant.paper(), backend="torch")
+    use_fp4_attention(model, AttentionQuant.paper(), backend=backend)
     held_out = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        final = sum(repeat_loss(model, *copy_batch(held_out)).item() for _ in range(4)) / 4
+    with torch.no_grad(), task.autocast():
+        final = sum(repeat_loss(model, *task.batch_of(held_out)).item() for _ in range(4)) / 4
     return losses, final
 
 
@@ -93,23 +124,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--plot", help="write the training curves (mean over seeds) to this PNG")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    p.add_argument("--only", nargs="+", metavar="TEXT",
+                   help="only the settings whose name contains one of these")
+    for field in fields(Task):
+        p.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
     args = p.parse_args()
+    task = Task(**{f.name: getattr(args, f.name) for f in fields(Task)})
+    settings = {n: c for n, c in SETTINGS.items()
+                if not args.only or any(s in n for s in args.only)}
+    if not settings:
+        p.error(f"--only {' '.join(args.only)} matches no setting")
     marks = [s for s in (25, 50, 100, 150, 200, 300, 400) if s <= args.steps]
-    print(f"\nCopy task, {args.steps} steps, seeds {args.seeds}: final held-out loss (FP4 "
+    print(f"\nCopy task ({task}), {args.steps} steps, seeds {args.seeds}: final held-out loss (FP4 "
           "forward) per seed; training loss (mean over seeds, 10 steps) at steps "
           f"{', '.join(map(str, marks))}\n")
-    print("| attention setting | " + " | ".join(f"s{s}" for s in args.seeds) + " | " +
-          " | ".join(f"step {m}" for m in marks) + " |")
+    cols = [f"s{s}" for s in args.seeds] + [f"step {m}" for m in marks]
+    print("| attention setting | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * (len(args.seeds) + len(marks)))
     curves = {}
-    for name, setting in SETTINGS.items():
+    for name, setting in settings.items():
         t0 = time.perf_counter()
-        runs = [train(setting, seed, args.steps) for seed in args.seeds]
+        runs = [train(setting, seed, args.steps, task, args.lr) for seed in args.seeds]
         mean = [sum(r[0][i] for r in runs) / len(runs) for i in range(args.steps)]
         curves[name] = mean
         at = [sum(mean[m - 10:m]) / 10 for m in marks]
-        print(f"| {name} | " + " | ".join(f"{r[1]:.4f}" for r in runs) + " | " +
-              " | ".join(f"{v:.3f}" for v in at) + f" |  ({time.perf_counter() - t0:.0f} s)",
+        cells = [f"{r[1]:.4f}" for r in runs] + [f"{v:.3f}" for v in at]
+        print(f"| {name} | " + " | ".join(cells) + f" |  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
     if args.plot:
         fig, ax = curves_axes(len(curves))

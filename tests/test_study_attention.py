@@ -166,6 +166,15 @@ def test_induction_study_settings_share_the_forward_and_differ_in_the_backward()
     reuse, _ = induction.train(induction.SETTINGS["reuse (default)"], seed=0, steps=2)
     noreuse, final = induction.train(induction.SETTINGS["no reuse"], seed=0, steps=2)
     assert reuse[0] == noreuse[0] and reuse[1] != noreuse[1]
-    x, y = induction.copy_batch(torch.Generator().manual_seed(0))
+    x, y = induction.Task().batch_of(torch.Generator().manual_seed(0))
     assert torch.equal(x[:, 32:], x[:, :31]) and torch.equal(y[:, :-1], x[:, 1:])
     assert 0 < final < 10
+    # delta from dP: without reuse the same forward, a backward unlike flash attention's delta
+    delta, _ = induction.train(induction.SETTINGS["no reuse; delta from dP"], seed=0, steps=2)
+    assert delta[0] == noreuse[0] and delta[1] != noreuse[1]
+    # another size: a longer copy of a wider model
+    task = induction.Task(dim=32, heads=2, seq=32, batch=4)
+    x, _ = task.batch_of(torch.Generator().manual_seed(0))
+    assert x.shape == (4, 31) and torch.equal(x[:, 16:], x[:, :15])
+    losses, final = induction.train(induction.SETTINGS["reuse (default)"], 0, 2, task)
+    assert len(losses) == 2 and 0 < final < 10

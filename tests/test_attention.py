@@ -365,7 +365,7 @@ def test_requantize_with_stochastic_rounding_is_fresh_and_unbiased():
     assert (mean - want).norm() < 0.3 * (rne - want).norm()  # measured 0.21-0.26 over seeds
 
 
-# ---- masking, shapes, dtypes ---------------------------------------------------------------
+# ---- delta: the softmax backward's row term -------------------------------------------------
 @pytest.mark.parametrize("S,L,causal", [(24, 24, True), (17, 29, False)])
 def test_delta_from_dp_is_the_softmax_gradient_of_the_backwards_dp(S, L, causal):
     """delta="dp": dS = P ∘ (dP - rowsum(P ∘ dP)), the softmax's gradient for the dP the
@@ -395,6 +395,7 @@ def test_delta_from_dp_is_flash_attentions_delta_under_reuse():
                      rtol=1e-10, atol=1e-12)
 
 
+# ---- masking, shapes, dtypes ---------------------------------------------------------------
 def test_future_tokens_get_zero_gradient_and_no_influence():
     qkv, do = inputs(S=48, d=16, dtype=torch.float32)
     with torch.no_grad():  # keep each global amax in the past, so changing the future moves none

@@ -88,9 +88,9 @@ def sdpa_variants(causal: bool):
     return out
 
 
-def fp4_variants(AttentionQuant) -> dict:
+def fp4_variants() -> dict:
     """The kernel configs timed, by the label suffix of their rows."""
-    from fp4stack.nn.attention import NVFP4_SR
+    from fp4stack.nn.attention import NVFP4_SR, AttentionQuant
 
     return {"": AttentionQuant.paper(),
             ", Q/K/V in 16x16 tiles": AttentionQuant.tiled(),
@@ -101,7 +101,7 @@ def fp4_variants(AttentionQuant) -> dict:
 
 
 def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
-    from fp4stack.nn.attention import AttentionQuant, fp4_attention
+    from fp4stack.nn.attention import fp4_attention
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -111,7 +111,7 @@ def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):
     flops = 4 * B * H * S * S * d / (2 if causal else 1)
     rows = []
     cands = sdpa_variants(causal)[:1 if device == "cpu" else None]
-    for name, cfg in fp4_variants(AttentionQuant).items():
+    for name, cfg in fp4_variants().items():
         cands.append((f"fp4 triton{name}{tiles_label}",
                       lambda q, k, v, cfg=cfg: fp4_attention(q, k, v, causal, cfg,
                                                              backend="triton")))

@@ -134,24 +134,43 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
                                                 PRECISION)
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION) * v_dec
-        ds = p * (dp - delta[:, None])
         if DELTA:
             m += tl.sum(p * dp, 1)
-        elif DQ:
-            k_dq = k
-            if not REUSE:  # K̂ with blocks along the keys; rows past L load as zeros, as K̂ does
-                kv_off = kv_base + keys[:, None] * D + tl.arange(0, D)[None, :]
-                k_dq = tl.load(k_dq_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
-            x = ds_operand(ds, ds_amax, 1, QUANT_DS, DOT_TY, MMA_TY, SCALE_MAX)  # along keys
-            acc += tl.dot(x, k_dq, input_precision=PRECISION)
-            if DEBUG:
-                off = (bh.to(tl.int64) * S + rows[:, None]) * L + keys[None, :]
-                ok = (rows < S)[:, None] & key_ok[None, :]
-                tl.store(dbg_ptr + 2 * BH * S * L + off, ds, mask=ok)
-                tl.store(dbg_ptr + 3 * BH * S * L + off, x.to(tl.float32) * ds_dec, mask=ok)
         else:
-            m = tl.maximum(m, tl.reduce(tl.abs(ds), 1, _max_nan))
+            ds = p * (dp - delta[:, None])
+            if DQ:
+                k_dq = k
+                if not REUSE:  # K̂ with blocks along the keys; rows past L load as zeros, as K̂ does
+                    kv_off = kv_base + keys[:, None] * D + tl.arange(0, D)[None, :]
+                    k_dq = tl.load(k_dq_ptr + kv_off, mask=key_ok[:, None], other=0.0).to(MMA_TY)
+                x = ds_operand(ds, ds_amax, 1, QUANT_DS, DOT_TY, MMA_TY, SCALE_MAX)  # along keys
+                acc += tl.dot(x, k_dq, input_precision=PRECISION)
+                if DEBUG:
+                    off = (bh.to(tl.int64) * S + rows[:, None]) * L + keys[None, :]
+                    ok = (rows < S)[:, None] & key_ok[None, :]
+                    tl.store(dbg_ptr + 2 * BH * S * L + off, ds, mask=ok)
+                    tl.store(dbg_ptr + 3 * BH * S * L + off, x.to(tl.float32) * ds_dec, mask=ok)
+            else:
+                m = tl.maximum(m, tl.reduce(tl.abs(ds), 1, _max_nan))
     return m, acc
+
+
+@triton.jit
+def _key_sweep(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr, kv_base, bh,
+               rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DQ: tl.constexpr,
+               REUSE: tl.constexpr, QUANT_DS: tl.constexpr, MMA_TY: tl.constexpr,
+               PRECISION: tl.constexpr, SCALE_MAX: tl.constexpr, DEBUG: tl.constexpr,
+               DELTA: tl.constexpr):
+    """_query_tiles over every key tile the rows see: [0, lo) need no mask, [lo, hi) do."""
+    m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                          kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec,
+                          D, BLOCK_N, False, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
+                          SCALE_MAX, DEBUG, DELTA)
+    return _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                        kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax, ds_dec,
+                        D, BLOCK_N, True, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
+                        SCALE_MAX, DEBUG, DELTA)
 
 
 @triton.jit
@@ -188,26 +207,17 @@ def query_kernel(
     lo, hi = key_range(pid_m, S, L, BLOCK_M, BLOCK_N, CAUSAL)
     if DELTA_DP and not DQ:
         delta = tl.zeros((BLOCK_M,), tl.float32)
-        delta, acc = _query_tiles(delta, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr,
-                                  dbg_ptr, kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec,
-                                  ds_amax, ds_dec, D, BLOCK_N, False, CAUSAL, DQ, REUSE,
-                                  QUANT_DS, MMA_TY, PRECISION, SCALE_MAX, DEBUG, True)
-        delta, acc = _query_tiles(delta, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr,
-                                  dbg_ptr, kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec,
-                                  ds_amax, ds_dec, D, BLOCK_N, True, CAUSAL, DQ, REUSE,
-                                  QUANT_DS, MMA_TY, PRECISION, SCALE_MAX, DEBUG, True)
+        delta, acc = _key_sweep(delta, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr,
+                                dbg_ptr, kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec,
+                                ds_amax, ds_dec, D, BLOCK_N, CAUSAL, DQ, REUSE, QUANT_DS,
+                                MMA_TY, PRECISION, SCALE_MAX, DEBUG, True)
         tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=row_ok)
     m = tl.zeros((BLOCK_M,), tl.float32)
     if DQ or QUANT_DS:
-        # Key tiles [0, lo) need no mask, [lo, hi) do.
-        m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
-                              kv_base, bh, rows, 0, lo, BH, S, L, qk_scale, v_dec, ds_amax,
-                              ds_dec, D, BLOCK_N, False, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY,
-                              PRECISION, SCALE_MAX, DEBUG, False)
-        m, acc = _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
-                              kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax,
-                              ds_dec, D, BLOCK_N, True, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY,
-                              PRECISION, SCALE_MAX, DEBUG, False)
+        m, acc = _key_sweep(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
+                            kv_base, bh, rows, lo, hi, BH, S, L, qk_scale, v_dec, ds_amax,
+                            ds_dec, D, BLOCK_N, CAUSAL, DQ, REUSE, QUANT_DS, MMA_TY, PRECISION,
+                            SCALE_MAX, DEBUG, False)
     if DQ:
         dq = acc * (ds_dec * k_dec * scale)
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])

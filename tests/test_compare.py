@@ -10,7 +10,14 @@ import pytest
 import yaml
 
 from fp4stack.data import write_shard
-from fp4stack.train.compare import format_table, gaps, run_comparison, seed_band
+from fp4stack.train.compare import (
+    RunRow,
+    format_table,
+    gap_standard_error,
+    gaps,
+    run_comparison,
+    seed_band,
+)
 from fp4stack.train.metrics import read_metrics
 
 VOCAB = 48
@@ -65,8 +72,6 @@ def test_finished_runs_are_reused(setup):
 
 
 def test_table_without_baseline_says_na(setup):
-    from fp4stack.train.compare import RunRow
-
     table = format_table([RunRow("nvfp4", 0, 3.0, 100.0, 6, "x")])
     assert "n/a" in table
 
@@ -83,6 +88,18 @@ def test_every_recipe_runs_at_every_seed_and_is_summarised(setup, tmp_path):
     assert f"| nvfp4 | 2 | {mean_loss:.4f} | {mean_gap:+.2f}% |" in table
     with pytest.raises(ValueError, match="seeds"):
         run_comparison(config, ["bf16"], tmp_path, seeds=())
+
+
+def test_gap_standard_error_counts_both_means():
+    rows = [RunRow("bf16", s, v, 1.0, 1, "x") for s, v in enumerate((3.0, 3.2, 3.1))]
+    fp4 = [RunRow("nvfp4", s, v, 1.0, 1, "x") for s, v in enumerate((3.3, 3.5))]
+    # variances 0.01 (BF16, 3 runs) and 0.02 (2 runs): sqrt(0.01/3 + 0.02/2) / 3.1
+    expected = 100 * np.sqrt(0.01 / 3 + 0.02 / 2) / 3.1
+    assert gap_standard_error(fp4, rows) == pytest.approx(expected)
+    assert gap_standard_error(fp4[:1], rows) is None and gap_standard_error(fp4, rows[:1]) is None
+    table = format_table(rows + fp4)
+    assert f"| nvfp4 | 2 | 3.4000 | +9.68% | {expected:.2f}% | +6.45..+12.90% |" in table
+    assert "| bf16 | 3 | 3.1000 | +0.00% | - |" in table
 
 
 def test_no_train_reports_only_the_finished_runs(setup, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -25,7 +26,9 @@ from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.nn.recipe import PRESETS, LowRank
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
+from fp4stack.train import trainer as trainer_mod
 from fp4stack.train.checkpoint import checkpoint_dirs, latest_checkpoint
+from fp4stack.train.determinism import CUBLAS_WORKSPACE, deterministic_algorithms
 from fp4stack.train.optimizers import param_groups
 from fp4stack.train.schedule import lr_at
 
@@ -176,6 +179,68 @@ def test_resume_is_bit_exact(data, tmp_path, moe, fast_lowrank):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def _torch_modes() -> tuple:
+    return (torch.are_deterministic_algorithms_enabled(),
+            torch.backends.cuda.cudnn_sdp_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+
+@pytest.mark.parametrize("kw", [{"recipe": "bf16", "model": MOE}, {"recipe": "fullstack"}],
+                         ids=["bf16-moe", "fullstack"])
+def test_deterministic_run_sets_and_restores_torch_modes(data, tmp_path, monkeypatch, kw):
+    # Every op of these recipes must have a deterministic algorithm (torch raises otherwise),
+    # the modes must hold while training and come back afterwards, even when training fails.
+    seen = []
+    real_clip = trainer_mod.clip_gradients
+
+    def spy(*args, **kwargs):
+        seen.append(_torch_modes())
+        return real_clip(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "clip_gradients", spy)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = _torch_modes()
+    runs = [train(config(data, tmp_path / f"r{i}", deterministic=True, max_steps=4, **kw))
+            for i in range(2)]
+    assert _torch_modes() == before
+    assert seen and all(m == (True, False, CUBLAS_WORKSPACE) for m in seen)
+    assert runs[0]["final_val_loss"] == runs[1]["final_val_loss"]
+    assert json.loads((tmp_path / "r0" / "config.json").read_text())["deterministic"] is True
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(trainer_mod, "clip_gradients", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        train(config(data, tmp_path / "r2", deterministic=True, max_steps=2, **kw))
+    assert _torch_modes() == before
+
+
+def test_deterministic_algorithms_off_changes_nothing(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    before = _torch_modes()
+    with deterministic_algorithms(False):
+        assert _torch_modes() == before
+    with deterministic_algorithms(True):
+        assert _torch_modes() == (True, False, ":16:8")  # a user's workspace setting is kept
+    assert _torch_modes() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["bf16", "fullstack-nvidia"])
+def test_cuda_deterministic_runs_repeat_bitwise(data, tmp_path, recipe):
+    # bf16 runs SDPA (cuDNN's backward varies from run to run; deterministic mode avoids it);
+    # fullstack-nvidia runs the FP4 attention kernels, NVFP4 linears and AdamW4's kernels.
+    kw = dict(recipe=recipe, device="cuda", deterministic=True, seq_len=256, max_steps=6,
+              model={"preset": "tiny", "dim": 128, "n_layers": 2, "n_heads": 2,
+                     "n_kv_heads": 1, "ffn_hidden": 256})
+    train(config(data, tmp_path / "a", **kw))
+    train(config(data, tmp_path / "b", **kw))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    assert [r.get("grad_norm") for r in a] == [r.get("grad_norm") for r in b]
+
+
 def test_resume_guards(data, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(config(data, tmp_path), resume=True)
@@ -288,6 +353,7 @@ def test_nonfinite_steps_stop_training(data, tmp_path, monkeypatch):
     ({"model": {"dim": 30}}, "model: .*n_heads"),
     ({"model": {"preset": "tiny", "max_seq_len": 16}}, "max_seq_len 16 is smaller than seq_len"),
     ({"tensorboard": "yes"}, "tensorboard must be true or false"),
+    ({"deterministic": 1}, "deterministic must be true or false"),
 ])
 def test_config_errors_name_the_field(data, tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
@@ -333,9 +399,12 @@ def test_cli_pretrain(data, tmp_path, capsys):
                  "--out", str(out)]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "runs" / "qat-w")] == [2]
     assert main(["pretrain", "--config", str(cfg), "--recipe", "qat-w", "--max-steps", "3",
-                 "--out", str(out), "--resume"]) == 0
+                 "--out", str(out), "--resume", "--deterministic"]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "runs" / "qat-w")] == [2, 3]
-    assert "quantize_model: recipe qat-w" in capsys.readouterr().out
+    assert json.loads((tmp_path / "runs" / "qat-w" / "config.json").read_text())["deterministic"]
+    printed = capsys.readouterr().out
+    assert "quantize_model: recipe qat-w" in printed
+    assert "resuming with changed deterministic (False -> True)" in printed
     assert main(["pretrain", "--config", str(cfg), "--data", str(tmp_path / "none")]) == 2
     assert "fp4stack data build" in capsys.readouterr().err
     assert main(["pretrain", "--config", str(cfg), "--recipe", "nvfp5"]) == 2

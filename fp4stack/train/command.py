@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--distributed", choices=("ddp", "fsdp2"),
                    help="under torchrun with several processes (default: the config's)")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="bitwise-reproducible run: torch's deterministic algorithms, no cuDNN "
+                   "attention (slower attention on CUDA; default: the config's)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint")
 
@@ -38,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, recipe=args.recipe, max_steps=args.max_steps,
                           out=args.out, data=args.data, seed=args.seed, device=args.device,
-                          distributed=args.distributed, micro_batch_size=args.micro_batch_size)
+                          distributed=args.distributed, micro_batch_size=args.micro_batch_size,
+                          deterministic=args.deterministic)
         train(cfg, resume=args.resume)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)

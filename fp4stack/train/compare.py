@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -105,19 +106,35 @@ def _by_recipe(rows: list[RunRow]) -> dict[str, list[RunRow]]:
     return grouped
 
 
+def gap_standard_error(runs: list[RunRow], base: list[RunRow]) -> float | None:
+    """Standard error, in % of the BF16 mean, of the gap between the mean final validation
+    losses of `runs` and of the BF16 runs `base`: both means are uncertain, and the runs are
+    taken as independent (same-seed BF16 runs need not repeat on a GPU: docs/RESULTS.md). None
+    with fewer than two runs on either side."""
+    if len(runs) < 2 or len(base) < 2:
+        return None
+    a, b = [r.val_loss for r in runs], [r.val_loss for r in base]
+    var = statistics.variance(a) / len(a) + statistics.variance(b) / len(b)
+    return 100.0 * math.sqrt(var) / statistics.fmean(b)
+
+
 def format_summary(rows: list[RunRow]) -> str:
-    """One line per recipe: mean over its seeds of the final validation loss and of the gap."""
+    """One line per recipe: mean over its seeds of the final validation loss and of the gap,
+    with the gap's standard error."""
     g = gaps(rows)
-    lines = ["| recipe | seeds | mean val loss | mean gap to BF16 | gap min..max |",
-             "|---|---:|---:|---:|---:|"]
+    base = [r for r in rows if r.recipe == BASELINE]
+    lines = ["| recipe | seeds | mean val loss | mean gap to BF16 | s.e. | gap min..max |",
+             "|---|---:|---:|---:|---:|---:|"]
     for recipe, runs in _by_recipe(rows).items():
         mean = statistics.fmean(r.val_loss for r in runs)
         rg = [g[(r.recipe, r.seed)] for r in runs]
+        se = None if recipe == BASELINE else gap_standard_error(runs, base)
+        se_s = "-" if se is None else f"{se:.2f}%"
         if None in rg:
             gap_s = span = "n/a"
         else:
             gap_s, span = f"{statistics.fmean(rg):+.2f}%", f"{min(rg):+.2f}..{max(rg):+.2f}%"
-        lines.append(f"| {recipe} | {len(runs)} | {mean:.4f} | {gap_s} | {span} |")
+        lines.append(f"| {recipe} | {len(runs)} | {mean:.4f} | {gap_s} | {se_s} | {span} |")
     return "\n".join(lines)
 
 
@@ -210,6 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, help="override the config's max_steps")
     p.add_argument("--data", help="override the config's data directory")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="bitwise-reproducible runs (no cuDNN attention; default: the config's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         rows = run_comparison(args.config, recipes, args.out, seeds=seeds,
                               baseline_seeds=extra, train_missing=not args.no_train,
                               max_steps=args.max_steps, data=args.data,
-                              device=args.device)
+                              device=args.device, deterministic=args.deterministic)
     except (ValueError, FileNotFoundError) as e:
         print(f"fp4stack compare: error: {e}", file=sys.stderr)
         return 2

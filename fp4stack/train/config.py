@@ -63,6 +63,7 @@ class PretrainConfig:
     distributed: str = "ddp"  # under torchrun with several processes: ddp or fsdp2
     device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
     tensorboard: bool = True  # also write TensorBoard scalars when tensorboard is installed
+    deterministic: bool = False  # bitwise-reproducible runs: no cuDNN attention (train/determinism)
 
     def __post_init__(self) -> None:
         self.betas = _betas(self.betas)
@@ -96,8 +97,9 @@ class PretrainConfig:
         for name in ("data", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
-        if not isinstance(self.tensorboard, bool):
-            raise ValueError(f"tensorboard must be true or false, got {self.tensorboard!r}")
+        for name in ("tensorboard", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.model_config(vocab_size=None)  # fail now, not after the data is loaded
 
     @property

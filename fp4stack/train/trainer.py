@@ -32,6 +32,7 @@ from ..nn.recipe import recipe as get_recipe
 from . import distributed
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DATA_COMMANDS, PretrainConfig
+from .determinism import deterministic_algorithms
 from .distributed import DistEnv
 from .metrics import MetricsLogger
 from .optimizers import build_optimizer, set_lr
@@ -178,7 +179,8 @@ def train(cfg: PretrainConfig, *, resume: bool = False) -> dict[str, Any]:
     final_val_loss, final_loss, tokens_per_s, steps, tokens, wall_s, nan_skips, params, out."""
     env = distributed.setup(cfg.device)
     try:
-        return _train(cfg, resume, env)
+        with deterministic_algorithms(cfg.deterministic):
+            return _train(cfg, resume, env)
     finally:
         distributed.teardown(env)
 

@@ -1,0 +1,54 @@
+"""Bitwise run-to-run reproducibility for a training run (`deterministic: true`).
+
+Two BF16 runs of the `small` preset with the same seed, data and code ended 0.7% apart in
+validation loss on an H200: their training losses already differed in the fifth digit at step
+10. The likely source is SDPA's cuDNN backend, which SDPA picks on Hopper and whose backward has
+no deterministic mode in torch; the FP4 attention kernels' default backward is deterministic (a
+separate dQ pass, no atomics), and an FP4 run repeated to all the digits it was recorded with. A
+deterministic run turns cuDNN attention off, so SDPA falls back to flash attention, whose
+backward torch computes deterministically under `torch.use_deterministic_algorithms(True)`, and
+asks torch for deterministic algorithms everywhere, so that an op without one raises instead of
+varying silently. The cost: flash attention's forward + backward takes about 1.8x cuDNN's at
+seq 2048 on the H200 (docs/PERFORMANCE.md, timed without this mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+# cuBLAS reuses its workspace deterministically only with a fixed configuration, and torch
+# refuses cuBLAS calls under deterministic algorithms without one.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
+    """Within the block, run torch's deterministic algorithms and no cuDNN attention; the
+    previous settings come back afterwards. enabled=False changes nothing."""
+    if not enabled:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cuda.cudnn_sdp_enabled(),
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        mode, warn_only, cudnn_sdp, workspace = saved
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+__all__ = ["CUBLAS_WORKSPACE", "deterministic_algorithms"]

@@ -119,6 +119,13 @@ def train(setting: AttentionQuant, seed: int, steps: int, task: Task = Task(),
     return losses, final
 
 
+def select(only: list[str], exact: bool = False) -> dict[str, AttentionQuant]:
+    """The settings named in `only` (all when empty): by their full name with exact=True,
+    else every setting whose name contains one of the texts."""
+    return {n: c for n, c in SETTINGS.items()
+            if not only or (n in only if exact else any(s in n for s in only))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
@@ -126,15 +133,15 @@ def main() -> None:
     p.add_argument("--plot", help="write the training curves (mean over seeds) to this PNG")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
     p.add_argument("--only", nargs="+", metavar="TEXT",
-                   help="only these settings: a TEXT equal to a setting's name selects that one, "
-                   "any other TEXT every setting whose name contains it")
+                   help="only the settings whose name contains one of these")
+    p.add_argument("--exact", action="store_true",
+                   help="--only names settings in full (\"no reuse\" alone, not every setting "
+                   "whose name contains it)")
     for field in fields(Task):
         p.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
     args = p.parse_args()
     task = Task(**{f.name: getattr(args, f.name) for f in fields(Task)})
-    only = args.only or []
-    settings = {n: c for n, c in SETTINGS.items()
-                if not only or n in only or any(s in n for s in only if s not in SETTINGS)}
+    settings = select(args.only or [], exact=args.exact)
     if not settings:
         p.error(f"--only {' '.join(args.only)} matches no setting")
     marks = [s for s in (25, 50, 100, 150, 200, 300, 400) if s <= args.steps]

@@ -159,6 +159,15 @@ def test_step_table_starts_every_setting_from_the_same_weights(tmp_path, capsys)
     assert "| exact attention | 1.0000 |" in capsys.readouterr().out
 
 
+def test_induction_study_selects_settings_by_text_or_full_name():
+    assert len(induction.select([])) == len(induction.SETTINGS)
+    by_text = induction.select(["no reuse"])
+    assert "no reuse; delta from dP" in by_text and "no reuse, stochastic rounding" in by_text
+    assert list(induction.select(["no reuse", "exact attention"], exact=True)) == [
+        "exact attention", "no reuse"]
+    assert induction.select(["exact"], exact=True) == {}
+
+
 def test_induction_study_settings_share_the_forward_and_differ_in_the_backward():
     """Every setting starts from the same weights on the same batch: the first loss is the
     same wherever the forward is (round-to-nearest Q, K, V), and the second differs once the

@@ -87,6 +87,29 @@ def assert_same(fused, reference):
             assert torch.equal(bits(sa[key]), bits(sb[key])), f"param {i}: state {key} differs"
 
 
+@pytest.fixture
+def mid_tiles(monkeypatch):
+    """Under the interpreter, whose cost is per tile and program rather than per element, tiles
+    of 16 rows x 4 blocks, two to a program: the shapes of a test still span several tiles
+    each way, with partial ones at the edges. Only test_fused_equals_reference_with_full_tiles
+    keeps the compiled default tiles on the CPU (the GPU runs every test with them)."""
+    if not INTERPRETED:
+        return
+    monkeypatch.setattr(fused_kernels, "BM", 16)
+    monkeypatch.setattr(fused_kernels, "KB", 4)
+    monkeypatch.setattr(fused_kernels, "STEP_ITERS", 2)
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """Fewer, larger programs still, for the tests below whose tensors are small."""
+    if not INTERPRETED:
+        return
+    monkeypatch.setattr(fused_kernels, "BM", 32)
+    monkeypatch.setattr(fused_kernels, "KB", 16)
+    monkeypatch.setattr(fused_kernels, "STEP_ITERS", 2)
+
+
 def shapes_for(device):
     if device == "cpu":
         # A 3-D param, rows not a multiple of the tile (and more than one sums tile of rows),
@@ -96,7 +119,7 @@ def shapes_for(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_equals_reference_for_assorted_shapes(device):
+def test_fused_equals_reference_for_assorted_shapes(device, mid_tiles):
     # A large lr, so that an ulp of the update shows in the parameters.
     runs = twin_runs([shapes_for(device)], [{}], device, max(CHECK_AFTER), min_numel=256, lr=0.3)
     for step, fused, reference in runs:
@@ -119,7 +142,7 @@ def test_fused_equals_reference_with_full_tiles(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_follows_the_lr_and_gradients_that_move(device):
+def test_fused_follows_the_lr_and_gradients_that_move(device, mid_tiles):
     # A schedule changes the lr every step and the gradients sometimes land at new addresses:
     # the per-step scalars and the gradient table are read from device memory, so the launches
     # (on CUDA replayed from a CUDA graph from the third step) see the new ones.
@@ -192,17 +215,6 @@ def test_a_step_inside_a_graph_capture_is_an_error():
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="outside"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         opt.step()
-
-
-@pytest.fixture
-def wide_tiles(monkeypatch):
-    """Fewer, larger programs under the interpreter (its cost is per program, not per element);
-    the shapes above keep the default tiles, several per tensor."""
-    if not INTERPRETED:
-        return
-    monkeypatch.setattr(fused_kernels, "BM", 32)
-    monkeypatch.setattr(fused_kernels, "KB", 16)
-    monkeypatch.setattr(fused_kernels, "STEP_ITERS", 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,10 @@ from fp4stack.formats import nvfp4 as reference
 from fp4stack.formats.spec import QuantSpec
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from fp4stack.kernels import nvfp4 as kernels  # noqa: E402
+from fp4stack.kernels import nvfp4_jit as jit  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -136,6 +139,29 @@ def test_nan_propagate_and_raise():
     for amax in (None, 10.0):
         with pytest.raises(ValueError, match="weights: 2 of 512 values are NaN or Inf"):
             kernels.quantize(x.to(DEVICE), QuantSpec(), amax=amax, name="weights")
+
+
+@triton.jit
+def _abs_max_of_rows(x_ptr, out_ptr, C: tl.constexpr):
+    row = tl.program_id(0)
+    x = tl.load(x_ptr + row * C + tl.arange(0, C))
+    tl.store(out_ptr + row, jit.abs_max(x, 0))
+
+
+def test_abs_max_is_amax_of_abs_with_nan():
+    # Every amax of the kernels: signed zeros, infinities, subnormals, and NaNs of either sign
+    # (a NaN's sign bit set reads as a negative int32, so the sign must be cleared first).
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 3.0, -448.0, 3.4e38, -3.4e38,
+                            float("inf"), float("-inf"), float("nan"), -float("nan")])
+    rows = [special[[0, 1]], special[[1, 2, 3]], special[[4, 5, 6, 7]], special[[7, 9]],
+            special[[8, 9, 10]], special[[4, 11]], special[[11, 0]], torch.randn(16)]
+    x = torch.zeros(len(rows), 16)
+    for i, r in enumerate(rows):
+        x[i, : len(r)] = r
+    assert torch.signbit(x[5, 1]) and torch.isnan(x[5, 1])  # a NaN with its sign bit set
+    out = torch.empty(len(rows), device=DEVICE)
+    _abs_max_of_rows[(len(rows),)](x.to(DEVICE), out, C=16)
+    assert same_values(out, x.abs().amax(dim=1))
 
 
 def test_non_contiguous_input():

@@ -214,7 +214,7 @@ def _store_codes(data, scales, boff, soff, m4, bmask, code_lo, code_hi, sbits):
 @triton.jit
 def _max_into(ptr, bmax):
     """Raise *ptr to the largest of this tile's block amaxes [BM, KB]."""
-    tl.atomic_max(ptr, tl.reduce(tl.reduce(bmax, 1, jit.max_nan), 0, jit.max_nan),
+    tl.atomic_max(ptr, jit.abs_max(jit.abs_max(bmax, 1), 0),
                   sem="relaxed")
 
 

@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import nvfp4_jit as jit
 from .attention import (
     Tile,
     key_range,
@@ -151,7 +152,7 @@ def _query_tiles(m, acc, q, do, lse, delta, ku_ptr, k_dq_ptr, v_dp_ptr, dbg_ptr,
                     tl.store(dbg_ptr + 2 * BH * S * L + off, ds, mask=ok)
                     tl.store(dbg_ptr + 3 * BH * S * L + off, x.to(tl.float32) * ds_dec, mask=ok)
             else:
-                m = tl.maximum(m, tl.reduce(tl.abs(ds), 1, _max_nan))
+                m = jit.max_nan(m, jit.abs_max(ds, 1))
     return m, acc
 
 
@@ -223,12 +224,7 @@ def query_kernel(
         tl.store(dq_ptr + q_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
     elif QUANT_DS:
         tl.store(partial_ptr + bh.to(tl.int64) * tl.num_programs(0) + pid_m,
-                 tl.reduce(m, 0, _max_nan))
-
-
-@triton.jit
-def _max_nan(a, b):  # a NaN dS makes the amax NaN, as torch's amax does
-    return tl.where((a > b) | (a != a), a, b)
+                 jit.abs_max(m, 0))
 
 
 @triton.jit

@@ -47,17 +47,17 @@ def quantize_tile(x, amax, BLOCK_AXIS: tl.constexpr, SCALE_MAX: tl.constexpr, u,
     s_enc, s_dec = jit.global_scales(amax, SCALE_MAX)
     if BLOCK_AXIS == 1:
         xb = tl.reshape(x, (R, C // 16, 16))
-        sbits = jit.block_scale_bits(tl.reduce(tl.abs(xb), 2, jit.max_nan), s_enc, 1.0 / 6.0)
+        sbits = jit.block_scale_bits(jit.abs_max(xb, 2), s_enc, 1.0 / 6.0)
         enc = jit.encode_factor(sbits, s_dec)[:, :, None]
         s = jit.e4m3_value(sbits)[:, :, None]
     elif BLOCK_AXIS == 0:
         xb = tl.reshape(x, (R // 16, 16, C))
-        sbits = jit.block_scale_bits(tl.reduce(tl.abs(xb), 1, jit.max_nan), s_enc, 1.0 / 6.0)
+        sbits = jit.block_scale_bits(jit.abs_max(xb, 1), s_enc, 1.0 / 6.0)
         enc = jit.encode_factor(sbits, s_dec)[:, None, :]
         s = jit.e4m3_value(sbits)[:, None, :]
     else:
         xb = tl.reshape(x, (R // 16, 16, C // 16, 16))
-        tile_max = tl.reduce(tl.reduce(tl.abs(xb), 3, jit.max_nan), 1, jit.max_nan)
+        tile_max = jit.abs_max(jit.abs_max(xb, 3), 1)
         sbits = jit.block_scale_bits(tile_max, s_enc, 1.0 / 6.0)
         enc = jit.encode_factor(sbits, s_dec)[:, None, :, None]
         s = jit.e4m3_value(sbits)[:, None, :, None]

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -472,4 +473,12 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
             3 if name.endswith("tiles") else 0), name
     lowrank = PRESETS["lowrank-nvidia"]
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
+    # The linear variants of the best full stack differ from it in the field their names say.
+    base = PRESETS["fullstack-nvidia-noreuse"]
+    lora = PRESETS["fullstack-nvidia-noreuse-lora"]
+    assert lora == base.with_(name=lora.name, lowrank=LowRank(trainable=True))
+    four_six = PRESETS["fullstack-nvidia-noreuse-4over6"]
+    assert four_six == base.with_(name=four_six.name, x=replace(base.x, four_over_six=True),
+                                  w=replace(base.w, four_over_six=True))
+    assert four_six.w.block == (16, 16) and four_six.x.block == (1, 16)
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

@@ -162,6 +162,8 @@ def _presets() -> dict[str, Recipe]:
     )
     fullstack_nvidia = fullstack.with_(
         name="fullstack-nvidia", **{f: getattr(nvidia, f) for f in _LINEAR_OPERANDS})
+    noreuse_nvidia = fullstack_nvidia.with_(name="fullstack-nvidia-noreuse",
+                                            attention=AttentionQuant(reuse=False))
     return {
         "bf16": Recipe("bf16"),
         "fp8": Recipe("fp8", x=fp8, w=fp8, dy=fp8, w_dgrad=fp8, x_wgrad=fp8, dy_wgrad=fp8),
@@ -180,8 +182,7 @@ def _presets() -> dict[str, Recipe]:
         # The full stack on NVIDIA's linear quantizers (every GEMM still NVFP4), and the
         # ablation of its attention's tensor reuse: none, and V̂ only or Q̂, K̂ only.
         "fullstack-nvidia": fullstack_nvidia,
-        "fullstack-nvidia-noreuse": fullstack_nvidia.with_(name="fullstack-nvidia-noreuse",
-                                                           attention=AttentionQuant(reuse=False)),
+        "fullstack-nvidia-noreuse": noreuse_nvidia,
         "fullstack-nvidia-reuse-v": fullstack_nvidia.with_(
             name="fullstack-nvidia-reuse-v", attention=AttentionQuant(reuse=("v",))),
         "fullstack-nvidia-reuse-qk": fullstack_nvidia.with_(
@@ -227,6 +228,14 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-noreuse-delta": fullstack_nvidia.with_(
             name="fullstack-nvidia-noreuse-delta",
             attention=AttentionQuant(reuse=False, delta="dp")),
+        # The linears' share of the best full stack's gap, two ways to shrink it while every
+        # GEMM stays NVFP4: the low-rank pair trained with the model (initialised from the SVD
+        # of W - Q(W), never refitted), and Four Over Six scales on the forward's x and W.
+        "fullstack-nvidia-noreuse-lora": noreuse_nvidia.with_(
+            name="fullstack-nvidia-noreuse-lora", lowrank=LowRank(trainable=True)),
+        "fullstack-nvidia-noreuse-4over6": noreuse_nvidia.with_(
+            name="fullstack-nvidia-noreuse-4over6", x=_nvfp4(four_over_six=True),
+            w=_nvfp4(block=(16, 16), four_over_six=True)),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",

@@ -255,7 +255,7 @@ def recipe(name: str) -> Recipe:
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
     -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -noreuse-delta,
-    -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
+    -noreuse-lora, -noreuse-4over6, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16)."""
     if isinstance(name, Recipe):

@@ -5,7 +5,9 @@ W - Q(W) (fp4stack.nn.lowrank). Whatever it does in training, it can remove at m
 ||W - Q(W)||² that the top r singular values carry. For every linear layer of a model this prints
 that share per weight quantizer and rank, beside the same share for a Gaussian matrix of the
 layer's shape (an error with no structure), and the weight-only relative error ||W - Q(W)|| / ||W||
-before and after the branch.
+before and after the branch. Beside it, the other way a rank-r BF16 branch can serve (SVDQuant's):
+keep the top r singular directions L of W itself and quantize only W - L, error
+||W - L - Q(W - L)|| / ||W||.
 
     python benchmarks/study_lowrank_capture.py --model smollm2 --ranks 16 64
 """
@@ -31,9 +33,20 @@ def energy_shares(err: torch.Tensor, ranks: list[int]) -> list[float]:
     return [float(e[:r].sum()) / total if total else 1.0 for r in ranks]
 
 
+def absorbed_errors(w: torch.Tensor, spec: QuantSpec, ranks: list[int]) -> list[float]:
+    """||W - L - Q(W - L)|| / ||W|| with L the best rank-r approximation of W, for each r."""
+    u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
+    out = []
+    for r in ranks:
+        rest = (w.double() - (u[:, :r] * s[:r]) @ vh[:r]).float()
+        out.append(float((rest - fake_quantize(rest, spec=spec)).norm() / w.norm()))
+    return out
+
+
 def layer_rows(model: torch.nn.Module, ranks: list[int], seed: int = 0) -> list[dict]:
     """One row per nn.Linear but the LM head: its name and shape, and per spec the weight's
-    relative error and the energy shares of W - Q(W); the Gaussian control's shares."""
+    relative error, the energy shares of W - Q(W) and the error with W's top r directions
+    absorbed; the Gaussian control's shares."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for name, mod in model.named_modules():
@@ -45,14 +58,16 @@ def layer_rows(model: torch.nn.Module, ranks: list[int], seed: int = 0) -> list[
         for label, spec in SPECS.items():
             err = w - fake_quantize(w, spec=spec)
             row[label] = {"rel_error": float(err.norm() / w.norm()),
-                          "shares": energy_shares(err, ranks)}
+                          "shares": energy_shares(err, ranks),
+                          "absorbed": absorbed_errors(w, spec, ranks)}
         rows.append(row)
     return rows
 
 
 def summary(rows: list[dict], ranks: list[int]) -> str:
     lines = ["| weights | rank | share of ‖W - Q(W)‖² held (mean, min..max) | Gaussian control | "
-             "rel. error ‖W - Q(W)‖/‖W‖ -> after the branch |", "|---|---:|---:|---:|---:|"]
+             "rel. error ‖W - Q(W)‖/‖W‖ -> after the branch | top r of W absorbed instead |",
+             "|---|---:|---:|---:|---:|---:|"]
     for label in SPECS:
         for i, r in enumerate(ranks):
             shares = [row[label]["shares"][i] for row in rows]
@@ -60,8 +75,10 @@ def summary(rows: list[dict], ranks: list[int]) -> str:
             before = statistics.mean(row[label]["rel_error"] for row in rows)
             after = statistics.mean(row[label]["rel_error"] * (1 - row[label]["shares"][i]) ** 0.5
                                     for row in rows)
+            absorbed = statistics.mean(row[label]["absorbed"][i] for row in rows)
             lines.append(f"| {label} | {r} | {statistics.mean(shares):.3f} ({min(shares):.3f}.."
-                         f"{max(shares):.3f}) | {gauss:.3f} | {before:.4f} -> {after:.4f} |")
+                         f"{max(shares):.3f}) | {gauss:.3f} | {before:.4f} -> {after:.4f} | "
+                         f"{absorbed:.4f} |")
     return "\n".join(lines)
 
 

@@ -26,6 +26,20 @@ def test_shares_grow_with_rank_to_one_and_match_the_branch():
     assert abs(float(left) - (1 - shares[1])) < 1e-5
 
 
+def test_absorbed_error_is_the_residual_of_w_minus_its_top_directions():
+    g = torch.Generator().manual_seed(1)
+    # A rank-2 spike on top of small noise: absorbing it leaves the noise to quantize, whose
+    # blocks have no outlier, so the error falls far below that of quantizing W whole.
+    spike = 30 * torch.randn(40, 2, generator=g) @ torch.randn(2, 64, generator=g)
+    w = spike + 0.1 * torch.randn(40, 64, generator=g)
+    spec = study.SPECS["1x16"]
+    whole = float((w - study.fake_quantize(w, spec=spec)).norm() / w.norm())
+    r0, r2, r40 = study.absorbed_errors(w, spec, [0, 2, 40])
+    assert abs(r0 - whole) < 1e-6  # rank 0 absorbs nothing
+    assert r2 < whole / 20
+    assert r40 < 1e-5  # full rank: nothing left to quantize
+
+
 def test_rows_and_summary_on_a_tiny_model(capsys):
     layer = torch.nn.Linear(64, 32)
     model = torch.nn.ModuleDict({"proj": layer, "lm_head": torch.nn.Linear(32, 10)})
@@ -34,6 +48,8 @@ def test_rows_and_summary_on_a_tiny_model(capsys):
     for label in study.SPECS:
         assert 0 < rows[0][label]["rel_error"] < 0.3
         assert rows[0][label]["shares"][0] < rows[0][label]["shares"][1] < 1
+        assert rows[0][label]["absorbed"][1] < rows[0][label]["absorbed"][0] < rows[0][label][
+            "rel_error"]
     table = study.summary(rows, [4, 16])
     assert table.count("\n| 1x16 |") == 2 and table.count("\n| 16x16 |") == 2
 

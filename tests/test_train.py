@@ -434,7 +434,8 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
                                     "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock",
                                     "fullstack-nvidia-tiles", "fullstack-nvidia-rotated",
-                                    "fullstack-nvidia-fresh-sr", "fullstack-nvidia-sr-qkv"])
+                                    "fullstack-nvidia-fresh-sr", "fullstack-nvidia-sr-qkv",
+                                    "fullstack-nvidia-noreuse-last-bf16"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -481,4 +482,6 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     assert four_six == base.with_(name=four_six.name, x=replace(base.x, four_over_six=True),
                                   w=replace(base.w, four_over_six=True))
     assert four_six.w.block == (16, 16) and four_six.x.block == (1, 16)
+    last = PRESETS["fullstack-nvidia-noreuse-last-bf16"]
+    assert last == base.with_(name=last.name, keep_last_blocks=1) and last.keep_first_blocks == 0
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

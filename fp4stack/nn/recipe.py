@@ -236,6 +236,10 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-noreuse-4over6": noreuse_nvidia.with_(
             name="fullstack-nvidia-noreuse-4over6", x=_nvfp4(four_over_six=True),
             w=_nvfp4(block=(16, 16), four_over_six=True)),
+        # Not "everything in FP4": the last block (its linears and attention) kept in BF16, as
+        # NVIDIA's recipe keeps about 15% of the linears, mostly in the last blocks (1 of 8 here).
+        "fullstack-nvidia-noreuse-last-bf16": noreuse_nvidia.with_(
+            name="fullstack-nvidia-noreuse-last-bf16", keep_last_blocks=1),
         # No reuse the naive way: the backward on the unquantized Q, K, V (dS still NVFP4).
         "fullstack-nvidia-hp-backward": fullstack_nvidia.with_(
             name="fullstack-nvidia-hp-backward",
@@ -255,9 +259,9 @@ def recipe(name: str) -> Recipe:
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
     -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -noreuse-delta,
-    -noreuse-lora, -noreuse-4over6, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
+    -noreuse-lora, -noreuse-4over6, -noreuse-last-bf16, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
-    in BF16)."""
+    in BF16 but in -last-bf16)."""
     if isinstance(name, Recipe):
         return name
     if name not in PRESETS:

@@ -116,7 +116,7 @@ def _analyze_arguments(p: argparse.ArgumentParser) -> None:
 def _analyze_run(args: argparse.Namespace) -> int:
     import time
 
-    from .analysis import attribution, sample_models
+    from .analysis import attribution, attribution_report, sample_models
 
     def say(msg: str) -> None:
         print(f"fp4stack analyze: {msg}", file=sys.stderr, flush=True)
@@ -137,19 +137,19 @@ def _analyze_run(args: argparse.Namespace) -> int:
         title = (f"W4A4 error attribution: {loaded.description}, {batch.shape[1]} tokens, "
                  f"recipe {args.recipe}")
         if args.plot:
-            attribution.plot(rows, args.plot, title)
+            attribution_report.plot(rows, args.plot, title)
             say(f"wrote {args.plot}")
     except (ValueError, RuntimeError) as e:  # sample_models.ModelUnavailable is a RuntimeError
         print(f"fp4stack analyze: error: {e}", file=sys.stderr)
         return 2
     if args.format == "json":
-        doc = attribution.report(
+        doc = attribution_report.report(
             rows, model=args.model, description=loaded.description, tokens=batch.shape[1],
             recipe=args.recipe, ks=list(ks), seed=args.seed, device="cpu",
         )
         print(json.dumps(doc, indent=2))
     else:
-        print(attribution.format_table(rows, per_layer=not args.summary_only, title=title))
+        print(attribution_report.format_table(rows, per_layer=not args.summary_only, title=title))
     return 0
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from fp4stack import QuantSpec, fake_quantize
 from fp4stack.analysis import attribution as at
+from fp4stack.analysis import attribution_report as rep
 from fp4stack.analysis import sample_models
 from fp4stack.cli import main
 
@@ -156,7 +157,7 @@ def test_single_expert_matches_layer_errors():
 
 def test_summary(dense):
     _, rows = dense
-    s = at.summarize(rows)
+    s = rep.summarize(rows)
     done = [r for r in rows if r.analysed]
     assert s["layers"] == len(done) and s["skipped"] == 2
     share = sum(r.act_only > r.weight_only for r in done) / len(done)
@@ -165,7 +166,7 @@ def test_summary(dense):
     assert s["act_weight_ratio_mean"] == pytest.approx(ratio)
     assert set(s["by_type"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                  "down_proj"}
-    text = at.format_table(rows)
+    text = rep.format_table(rows)
     assert "L1.down_proj" in text and "Skipped (2)" in text and "lm_head" in text
 
 
@@ -210,7 +211,7 @@ def test_plot_writes_png(dense, tmp_path):
     pytest.importorskip("matplotlib")
     _, rows = dense
     path = tmp_path / "attribution.png"
-    at.plot(rows, str(path), title="tiny dense")
+    rep.plot(rows, str(path), title="tiny dense")
     data = path.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
 

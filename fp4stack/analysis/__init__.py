@@ -1,6 +1,7 @@
 """Error analysis: how much each way of quantizing loses, measured on the library's own numerics."""
 
-from .attribution import Compensated, LayerError, attribute_error, layer_errors, summarize
+from .attribution import Compensated, LayerError, attribute_error, layer_errors
+from .attribution_report import summarize
 from .quant_error import DISTRIBUTIONS, METHODS, ErrorRow, error_table, format_table, make_tensor
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Each subcommand is one `Command`: a name, a one-line help, a function that adds its arguments to
 its parser, and a function that runs it from the parsed arguments and returns an exit status.
-A new subcommand (pretrain, rl, bench, ...) is one more entry in COMMANDS; its heavy imports go
+A new subcommand (pretrain, rl, ...) is one more entry in COMMANDS; its heavy imports go
 inside its run function so `fp4stack --help` stays fast.
 """
 

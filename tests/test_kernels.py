@@ -6,6 +6,8 @@ tests run compiled, plus large and adversarial cases (marked gpu).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -139,6 +141,25 @@ def test_nan_propagate_and_raise():
     for amax in (None, 10.0):
         with pytest.raises(ValueError, match="weights: 2 of 512 values are NaN or Inf"):
             kernels.quantize(x.to(DEVICE), QuantSpec(), amax=amax, name="weights")
+
+
+@pytest.mark.parametrize("name", ["rht", "rht-sr"])
+def test_hadamard_overflow_of_finite_values(name):
+    # Values near float32's max are finite, but the transform's sums overflow: an error naming
+    # the tensor by default (not the "NaN or Inf" one, which would blame the input); with
+    # nan_policy="propagate" the overflowing blocks are NaN in the kernels as in the reference.
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    x[2, :16] = torch.finfo(torch.float32).max * torch.sign(x[2, :16]).abs()
+    x[5, 16:] = -3e38
+    for amax in (None, 1e38):
+        for quant in (reference.quantize, kernels.quantize):
+            with pytest.raises(ValueError, match="acts: its 16-point Hadamard transform overflows"):
+                quant(x.to(DEVICE), SPECS[name], amax=amax, seed=1, name="acts")
+    spec = replace(SPECS[name], nan_policy="propagate")
+    check_all_paths(x.to(DEVICE), spec, amax=1e38, seed=1)
+    y = reference.dequantize(reference.quantize(x, spec, amax=1e38, seed=1))
+    nan_blocks = torch.isnan(y).reshape(8, 2, 16).all(-1)
+    assert nan_blocks[2, 0] and nan_blocks[5, 1] and nan_blocks.sum() == 2
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import spec_oracle as oracle
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fp4stack
@@ -145,6 +145,8 @@ def test_stochastic_given_the_counter_draws(x, seed, tile):
 @settings(max_examples=EXAMPLES // 3)
 def test_hadamard_is_oracle_of_the_transformed_tensor(x):
     # amax and block scales are taken after the transform (test_hadamard.py checks rht itself).
+    # The oracle models finite values; a transform that overflows is an error (test_kernels.py).
+    assume(bool(torch.isfinite(fp4stack.rht(x)).all()))
     t = fp4stack.quantize(x, hadamard=True)
     assert_matches_oracle(x, t, oracle_input=fp4stack.rht(x))
 

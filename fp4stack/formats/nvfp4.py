@@ -59,6 +59,16 @@ def raise_nonfinite(count: int, x: torch.Tensor, name: str) -> None:
         )
 
 
+def raise_transform_overflow(x: torch.Tensor, name: str) -> None:
+    """For finite `x` whose 16-point Hadamard transform is not finite in float32."""
+    big = float(x.detach().abs().amax())
+    raise ValueError(
+        f"{name}: its 16-point Hadamard transform overflows float32 (max |x| = {big:.3g}; the "
+        "transform's sums grow a block's values by up to 16x before its 1/4 scale). Scale the "
+        "tensor down first, or pass nan_policy='propagate' (the blocks that overflow become NaN)"
+    )
+
+
 def as_amax(amax: float | torch.Tensor, device: torch.device, check: bool = True) -> torch.Tensor:
     """A caller-imposed global amax as a float32 0-d tensor on `device`.
 
@@ -158,6 +168,8 @@ def quantize(
     xf = torch.nn.functional.pad(xf, (0, kp - k, 0, rows_p - rows) if spec.is_2d else (0, kp - k))
     if spec.hadamard:
         xf = rht(xf)
+        if spec.nan_policy == "raise" and count_nonfinite(xf):
+            raise_transform_overflow(x, name)
     if amax is None:
         amax_t = xf.abs().amax() if xf.numel() else _f32(0.0, xf)
     else:

@@ -91,10 +91,12 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 def _check_finite(maybe_bad: bool, x: torch.Tensor, name: str) -> None:
-    # The kernels flag a non-finite value after the transform; the count on the raw input decides
-    # (a Hadamard sum of huge finite values can overflow, and that is no input error).
+    # The kernels flag a non-finite value after the transform: a NaN or Inf in the input, or a
+    # Hadamard sum of huge finite values that overflowed. The raw input tells the two apart.
     if maybe_bad:
-        reference.raise_nonfinite(reference.count_nonfinite(x), x, name)
+        count = reference.count_nonfinite(x)
+        reference.raise_nonfinite(count, x, name)
+        reference.raise_transform_overflow(x, name)
 
 
 def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):

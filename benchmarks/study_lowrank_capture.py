@@ -33,9 +33,11 @@ def energy_shares(err: torch.Tensor, ranks: list[int]) -> list[float]:
     return [float(e[:r].sum()) / total if total else 1.0 for r in ranks]
 
 
-def absorbed_errors(w: torch.Tensor, spec: QuantSpec, ranks: list[int]) -> list[float]:
-    """||W - L - Q(W - L)|| / ||W|| with L the best rank-r approximation of W, for each r."""
-    u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
+def absorbed_errors(w: torch.Tensor, spec: QuantSpec, ranks: list[int],
+                    svd: tuple[torch.Tensor, ...] | None = None) -> list[float]:
+    """||W - L - Q(W - L)|| / ||W|| with L the best rank-r approximation of W, for each r.
+    svd: torch.linalg.svd(W.double(), full_matrices=False), when the caller has it already."""
+    u, s, vh = svd if svd is not None else torch.linalg.svd(w.double(), full_matrices=False)
     out = []
     for r in ranks:
         rest = (w.double() - (u[:, :r] * s[:r]) @ vh[:r]).float()
@@ -55,11 +57,12 @@ def layer_rows(model: torch.nn.Module, ranks: list[int], seed: int = 0) -> list[
         w = mod.weight.detach().float()
         row = {"name": name, "shape": tuple(w.shape),
                "gaussian": energy_shares(torch.randn(w.shape, generator=g), ranks)}
+        svd = torch.linalg.svd(w.double(), full_matrices=False)  # one per layer, for both specs
         for label, spec in SPECS.items():
             err = w - fake_quantize(w, spec=spec)
             row[label] = {"rel_error": float(err.norm() / w.norm()),
                           "shares": energy_shares(err, ranks),
-                          "absorbed": absorbed_errors(w, spec, ranks)}
+                          "absorbed": absorbed_errors(w, spec, ranks, svd)}
         rows.append(row)
     return rows
 

@@ -69,6 +69,14 @@ def raise_transform_overflow(x: torch.Tensor, name: str) -> None:
     )
 
 
+def raise_if_flagged(flagged: bool, x: torch.Tensor, name: str) -> None:
+    """A finite check of the values quantized (after the Hadamard transform, if any) flagged
+    something: the raw input tells a NaN or Inf in it from a transform that overflowed."""
+    if flagged:
+        raise_nonfinite(count_nonfinite(x), x, name)
+        raise_transform_overflow(x, name)
+
+
 def as_amax(amax: float | torch.Tensor, device: torch.device, check: bool = True) -> torch.Tensor:
     """A caller-imposed global amax as a float32 0-d tensor on `device`.
 
@@ -157,7 +165,8 @@ def quantize(
 ) -> NVFP4Tensor:
     """Reference NVFP4 quantization of `x` along its last dim (see NVFP4_SPEC)."""
     check_input(x, spec, name)
-    if spec.nan_policy == "raise":
+    check = spec.nan_policy == "raise"
+    if check and not spec.hadamard:
         raise_nonfinite(count_nonfinite(x), x, name)
     shape = x.shape
     k, kp = shape[-1], padded_k(shape[-1])
@@ -168,8 +177,8 @@ def quantize(
     xf = torch.nn.functional.pad(xf, (0, kp - k, 0, rows_p - rows) if spec.is_2d else (0, kp - k))
     if spec.hadamard:
         xf = rht(xf)
-        if spec.nan_policy == "raise" and count_nonfinite(xf):
-            raise_transform_overflow(x, name)
+        if check:  # one check of what is quantized, as the kernels do
+            raise_if_flagged(bool(count_nonfinite(xf)), x, name)
     if amax is None:
         amax_t = xf.abs().amax() if xf.numel() else _f32(0.0, xf)
     else:

@@ -90,15 +90,6 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return partial.amax()
 
 
-def _check_finite(maybe_bad: bool, x: torch.Tensor, name: str) -> None:
-    # The kernels flag a non-finite value after the transform: a NaN or Inf in the input, or a
-    # Hadamard sum of huge finite values that overflowed. The raw input tells the two apart.
-    if maybe_bad:
-        count = reference.count_nonfinite(x)
-        reference.raise_nonfinite(count, x, name)
-        reference.raise_transform_overflow(x, name)
-
-
 def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
     reference.check_input(x, spec, name)
     x3 = _as_3d(x, spec)
@@ -141,9 +132,9 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
     )
     # Checked after the launch, so the host waits while the kernel runs, not before it.
     if finite_amax is not None:
-        _check_finite(not bool(finite_amax.item()), x, name)
+        reference.raise_if_flagged(not bool(finite_amax.item()), x, name)
     if check:
-        _check_finite(bool(nonfinite.sum().item()), x, name)
+        reference.raise_if_flagged(bool(nonfinite.sum().item()), x, name)
     if fake:
         return out.reshape(x.shape)
     lead = x.shape[:-1]

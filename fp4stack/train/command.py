@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bitwise-reproducible run: torch's deterministic algorithms, no cuDNN "
                    "attention (slower attention on CUDA; default: the config's)")
+    p.add_argument("--weight-flips", action="store_true", default=None,
+                   help="log how often the NVFP4 forward weights flip, and flip back, from step "
+                   "to step (weight_flip_rate, weight_return_rate; default: the config's)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint")
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, recipe=args.recipe, max_steps=args.max_steps,
                           out=args.out, data=args.data, seed=args.seed, device=args.device,
                           distributed=args.distributed, micro_batch_size=args.micro_batch_size,
-                          deterministic=args.deterministic)
+                          deterministic=args.deterministic, weight_flips=args.weight_flips)
         train(cfg, resume=args.resume)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)

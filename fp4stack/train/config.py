@@ -64,6 +64,7 @@ class PretrainConfig:
     device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
     tensorboard: bool = True  # also write TensorBoard scalars when tensorboard is installed
     deterministic: bool = False  # bitwise-reproducible runs: no cuDNN attention (train/determinism)
+    weight_flips: bool = False  # log how often NVFP4 forward weights flip (analysis/weight_flips)
 
     def __post_init__(self) -> None:
         self.betas = _betas(self.betas)
@@ -87,6 +88,10 @@ class PretrainConfig:
                              f"micro_batch_size {self.micro_batch_size}")
         if self.recipe not in PRESETS:
             raise ValueError(f"recipe {self.recipe!r} is unknown; choose one of {sorted(PRESETS)}")
+        if self.weight_flips and PRESETS[self.recipe].w.format != "nvfp4":
+            raise ValueError(f"weight_flips: recipe {self.recipe!r} does not quantize its weights "
+                             "to NVFP4, so no weight can flip; use an NVFP4 recipe or set "
+                             "weight_flips: false")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of "
                              f"{list(OPTIMIZERS)}")
@@ -97,7 +102,7 @@ class PretrainConfig:
         for name in ("data", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
-        for name in ("tensorboard", "deterministic"):
+        for name in ("tensorboard", "deterministic", "weight_flips"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.model_config(vocab_size=None)  # fail now, not after the data is loaded

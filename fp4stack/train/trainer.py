@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..analysis.weight_flips import WeightFlips
 from ..convert import quantize_model
 from ..data.shards import TokenShards
 from ..models.gpt import GPT
@@ -42,7 +43,8 @@ from .schedule import lr_at
 # different run, not a continuation. Other changes (max_steps, logging, ...) only warn.
 _RESUME_MUST_MATCH = ("model", "seq_len", "global_batch_size", "seed", "recipe")
 _RESUME_FREE = ("out", "data", "max_steps", "log_every", "eval_every", "ckpt_every",
-                "keep_checkpoints", "tensorboard", "device", "distributed", "max_nan_skips")
+                "keep_checkpoints", "tensorboard", "device", "distributed", "max_nan_skips",
+                "weight_flips")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -225,6 +227,10 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
             cfg.optimizer != "adamw" or get_recipe(cfg.recipe).optimizer_states != "fp32"):
         raise ValueError(f"optimizer {cfg.optimizer!r} is not supported under FSDP2 (its NVFP4 "
                          "states are not sharded); use --distributed ddp or optimizer adamw")
+    if cfg.weight_flips and env.distributed and cfg.distributed == "fsdp2":
+        raise ValueError("weight_flips needs whole weights on each rank: use --distributed ddp "
+                         "or set weight_flips: false")
+    flips = WeightFlips(gpt) if cfg.weight_flips else None
     model = distributed.wrap(model, cfg.distributed, env)
     optimizer_name = cfg.optimizer
     if get_recipe(cfg.recipe).optimizer_states == "nvfp4" and not cfg.optimizer.endswith("4"):
@@ -291,6 +297,8 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
                 skips_total += 1
                 skips_row += 1
             optimizer.zero_grad(set_to_none=True)
+            if flips is not None:
+                flips.observe()
             dt = time.perf_counter() - t0
             train_s += dt
             interval_s += dt
@@ -311,6 +319,8 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
                 record["val_loss"] = val_loss
                 say(f"step {done}: val_loss {val_loss:.4f}")
             if done % cfg.log_every == 0 or last or "val_loss" in record or reason is not None:
+                if flips is not None:
+                    record.update(flips.report())
                 logger.log(record)
                 interval_s, interval_tokens = 0.0, 0
                 if bar.disable:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_train import config, make_data
@@ -11,6 +14,9 @@ from fp4stack.api import dequantize, quantize
 from fp4stack.nn.linear import QuantLinear
 from fp4stack.nn.recipe import recipe
 from fp4stack.train import read_metrics, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import plot_weight_flips  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,12 @@ def test_training_logs_the_rates(data, tmp_path):
     for r in records:
         assert 0 < r["weight_flip_rate"] < 1
         assert 0 <= r["weight_return_rate"] <= r["weight_flip_rate"]
+    x, flips, returns = plot_weight_flips.flip_curves(tmp_path)
+    assert x == [2 / 6, 4 / 6, 1.0]
+    assert flips == [r["weight_flip_rate"] for r in records]
+    assert returns == [r["weight_return_rate"] for r in records]
+    plot_weight_flips.main([str(tmp_path), "--out", str(tmp_path / "flips.png")])
+    assert (tmp_path / "flips.png").stat().st_size > 0
 
 
 def test_weight_flips_needs_quantized_weights(data, tmp_path):

@@ -12,14 +12,17 @@ import fp4stack
 from fp4stack import QuantLinear, QuantSpec, Recipe, ResidualCompensation, recipe
 from fp4stack.nn import PRESETS
 from fp4stack.nn.compensation import channel_energy
+from fp4stack.nn.recipe import SCOPES
 
-TRAINING = [n for n, r in PRESETS.items() if r.weight_storage == "master"]
+OPERANDS = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
+SCOPED = [f"{n}@{s}" for n in ("nvfp4", "nvfp4-nvidia", "fullstack-nvidia-noreuse") for s in SCOPES]
+TRAINING = [n for n, r in PRESETS.items() if r.weight_storage == "master"] + SCOPED
 
 
 def rne_only(r: Recipe) -> Recipe:
     """The recipe with stochastic rounding replaced by RNE (deterministic, for exact checks)."""
     fix = {}
-    for f in ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad"):
+    for f in OPERANDS:
         s = getattr(r, f)
         if s is not None and s.rounding == "stochastic":
             fix[f] = dataclasses.replace(s, rounding="rne")
@@ -308,3 +311,63 @@ def test_trainable_lowrank_factors_get_gradients():
     x, *_ = data()
     layer(x).sum().backward()
     assert layer.lowrank_a.grad is not None and layer.lowrank_b.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------- scoped recipes
+
+
+def effective(r: Recipe) -> dict[str, QuantSpec]:
+    """Each operand's spec with a backward None (reuse) spelled out as its forward operand's."""
+    ops = {f: getattr(r, f) for f in OPERANDS}
+    ops["w_dgrad"] = ops["w_dgrad"] or ops["w"]
+    ops["x_wgrad"] = ops["x_wgrad"] or ops["x"]
+    return ops
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+@pytest.mark.parametrize("name", [n for n, r in PRESETS.items() if r.weight_storage == "master"])
+def test_scope_keeps_exactly_its_operands(name, scope):
+    base, r = recipe(name), recipe(f"{name}@{scope}")
+    assert r.name == f"{name}@{scope}"
+    for f, spec in effective(r).items():
+        assert spec == (effective(base)[f] if f in SCOPES[scope] else QuantSpec.none()), f
+    assert (r.attention, r.optimizer_states, r.keep_last_blocks) == (
+        base.attention, base.optimizer_states, base.keep_last_blocks)
+    assert r.lowrank == (base.lowrank if "w" in SCOPES[scope] else None)
+
+
+def layer_and_grads(name: str, x, w, b, dy, seed: int = 0):
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), recipe(name))
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    xg = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)  # the stochastic rounding draws
+    y = layer(xg)
+    y.backward(dy)
+    return layer, y.detach(), xg.grad, layer.weight.grad
+
+
+def test_scoped_layers_are_their_presets_halves():
+    # With stochastic rounding on (no rne_only): each half is bit for bit the preset's own.
+    x, w, b, dy = data()
+    full, y, dx, dw = layer_and_grads("nvfp4-nvidia", x, w, b, dy)
+    _, fy, fdx, fdw = layer_and_grads("nvfp4-nvidia@forward", x, w, b, dy)
+    _, by, bdx, bdw = layer_and_grads("nvfp4-nvidia@backward", x, w, b, dy)
+    _, wy, wdx, wdw = layer_and_grads("nvfp4-nvidia@weights", x, w, b, dy)
+    exact_y, exact_dx, exact_dw = F.linear(x, w, b), dy @ w, dy.t() @ x
+    assert torch.equal(fy, y) and torch.equal(fdx, exact_dx) and torch.equal(fdw, exact_dw)
+    assert torch.equal(by, exact_y) and torch.equal(bdx, dx) and torch.equal(bdw, dw)
+    qw = full.quantized_weight()
+    assert torch.equal(wy, F.linear(x, qw, b)) and torch.equal(wdx, dy @ qw)
+    assert torch.equal(wdw, exact_dw)
+    assert not torch.equal(y, exact_y) and not torch.equal(dx, exact_dx)
+
+
+def test_bad_scoped_names_say_what_exists():
+    with pytest.raises(ValueError, match="recipe scope 'sideways' is unknown.*forward"):
+        recipe("nvfp4@sideways")
+    with pytest.raises(ValueError, match="recipe scope '' is unknown"):
+        recipe("nvfp4@")
+    with pytest.raises(ValueError, match="unknown recipe 'nvfp5'.*@SCOPE"):
+        recipe("nvfp5@forward")

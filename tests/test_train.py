@@ -87,7 +87,8 @@ def fast_lowrank(monkeypatch):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "nvfp4-nvidia", "lowrank", "qat-w"])
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "nvfp4-nvidia", "lowrank", "qat-w",
+                                    "nvfp4-nvidia@backward"])
 def test_recipe_trains(data, tmp_path, recipe, moe):
     cfg = config(data, tmp_path, recipe=recipe, **({"model": MOE} if moe else {}))
     result = train(cfg)

@@ -253,6 +253,35 @@ def _presets() -> dict[str, Recipe]:
 
 PRESETS: dict[str, Recipe] = _presets()
 
+# "PRESET@SCOPE" keeps one part of the preset's linear quantization and runs the rest of every
+# linear GEMM on unquantized operands; attention and optimizer states stay as they are. It
+# ablates which operands of the linears cost the loss. The wgrad pair moves together because a
+# Hadamard transform on one of them cancels only against the other.
+SCOPES: dict[str, tuple[str, ...]] = {
+    "forward": ("x", "w"),  # fprop; dgrad and wgrad in high precision
+    "backward": ("dy", "w_dgrad", "x_wgrad", "dy_wgrad"),  # dgrad and wgrad; fprop exact
+    "weights": ("w", "w_dgrad"),  # W wherever it is multiplied (fprop, dgrad)
+}
+
+
+def scoped(r: Recipe, scope: str) -> Recipe:
+    """`r` with only the linear operands of `scope` (a SCOPES key) quantized."""
+    if scope not in SCOPES:
+        raise ValueError(f"recipe scope {scope!r} is unknown; choose one of {list(SCOPES)}")
+    keep = SCOPES[scope]
+    ops = {name: getattr(r, name) for name in _LINEAR_OPERANDS}
+    # A backward operand of None reuses the forward's quantized tensor; when the forward
+    # operand is dropped, the backward quantizes the master tensor the same way instead.
+    for backward, forward in (("w_dgrad", "w"), ("x_wgrad", "x")):
+        if ops[backward] is None and forward not in keep:
+            ops[backward] = ops[forward]
+    ops = {name: spec if name in keep else QuantSpec.none() for name, spec in ops.items()}
+    w_kept = ops["w"].format != "none"
+    return r.with_(name=f"{r.name}@{scope}", **ops,
+                   lowrank=r.lowrank if w_kept else None,  # it fits W - Q(W): zero here
+                   compensation=r.compensation if ops["x"].format != "none" else None,
+                   weight_storage=r.weight_storage if w_kept else "master")
+
 
 def recipe(name: str) -> Recipe:
     """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
@@ -261,10 +290,13 @@ def recipe(name: str) -> Recipe:
     -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -noreuse-delta,
     -noreuse-lora, -noreuse-4over6, -noreuse-last-bf16, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
-    in BF16 but in -last-bf16)."""
+    in BF16 but in -last-bf16). "PRESET@SCOPE" quantizes only the SCOPE part of the preset's
+    linears (forward, backward or weights; `scoped`)."""
     if isinstance(name, Recipe):
         return name
-    if name not in PRESETS:
-        raise ValueError(f"unknown recipe {name!r}; the presets are {sorted(PRESETS)}, or build a "
-                         "Recipe from QuantSpecs")
-    return PRESETS[name]
+    base, at, scope = name.partition("@")
+    if base not in PRESETS:
+        raise ValueError(f"unknown recipe {base!r}; the presets are {sorted(PRESETS)}, each "
+                         f"optionally with @SCOPE ({', '.join(SCOPES)}), or build a Recipe from "
+                         "QuantSpecs")
+    return scoped(PRESETS[base], scope) if at else PRESETS[base]

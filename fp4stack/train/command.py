@@ -15,8 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True,
                    help="YAML config (presets: configs/pretrain/{tiny,tiny-moe,small,small-moe}"
                    ".yaml)")
-    p.add_argument("--recipe", help="bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, ... "
-                   "(default: the config's)")
+    p.add_argument("--recipe", help="bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, ...; "
+                   "PRESET@forward, @backward or @weights quantizes only that part of the "
+                   "preset's linears (default: the config's)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--out", help="output directory; '{recipe}' is replaced by the recipe name")
     p.add_argument("--data", help="data directory with train.bin, val.bin, manifest.json")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPTConfig
-from ..nn.recipe import PRESETS
+from ..nn.recipe import recipe as get_recipe
 from .optimizers import OPTIMIZERS
 
 MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
@@ -86,9 +86,11 @@ class PretrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size {self.global_batch_size} must be a multiple of "
                              f"micro_batch_size {self.micro_batch_size}")
-        if self.recipe not in PRESETS:
-            raise ValueError(f"recipe {self.recipe!r} is unknown; choose one of {sorted(PRESETS)}")
-        if self.weight_flips and PRESETS[self.recipe].w.format != "nvfp4":
+        try:
+            quantized_w = get_recipe(self.recipe).w.format == "nvfp4"
+        except ValueError as e:
+            raise ValueError(f"recipe {self.recipe!r} is unknown: {e}") from e
+        if self.weight_flips and not quantized_w:
             raise ValueError(f"weight_flips: recipe {self.recipe!r} does not quantize its weights "
                              "to NVFP4, so no weight can flip; use an NVFP4 recipe or set "
                              "weight_flips: false")

@@ -347,7 +347,8 @@ def test_nonfinite_steps_stop_training(data, tmp_path, monkeypatch):
     ({"betas": [0.9]}, "betas must be two numbers"),
     ({"global_batch_size": 10}, "global_batch_size 10 must be a multiple of micro_batch_size 4"),
     ({"max_steps": 0}, "max_steps must be an integer >= 1"),
-    ({"recipe": "nvfp5"}, "recipe 'nvfp5' is unknown"),
+    ({"recipe": "nvfp5"}, "recipe: unknown recipe 'nvfp5'"),
+    ({"recipe": "nvfp4@sideways"}, "recipe: recipe scope 'sideways' is unknown"),
     ({"distributed": "zero3"}, "distributed must be one of"),
     ({"device": "tpu"}, "device must be auto"),
     ({"model": {"dimm": 32}}, r"model.dimm: unknown GPTConfig field.*did you mean 'dim'"),
@@ -410,7 +411,7 @@ def test_cli_pretrain(data, tmp_path, capsys):
     assert main(["pretrain", "--config", str(cfg), "--data", str(tmp_path / "none")]) == 2
     assert "fp4stack data build" in capsys.readouterr().err
     assert main(["pretrain", "--config", str(cfg), "--recipe", "nvfp5"]) == 2
-    assert "recipe 'nvfp5' is unknown" in capsys.readouterr().err
+    assert "unknown recipe 'nvfp5'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("optimizer", ["adamw4", "muon", "muon4"])

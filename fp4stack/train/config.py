@@ -89,7 +89,7 @@ class PretrainConfig:
         try:
             quantized_w = get_recipe(self.recipe).w.format == "nvfp4"
         except ValueError as e:
-            raise ValueError(f"recipe {self.recipe!r} is unknown: {e}") from e
+            raise ValueError(f"recipe: {e}") from e
         if self.weight_flips and not quantized_w:
             raise ValueError(f"weight_flips: recipe {self.recipe!r} does not quantize its weights "
                              "to NVFP4, so no weight can flip; use an NVFP4 recipe or set "

@@ -61,13 +61,14 @@ class WeightFlips:
     def observe(self) -> None:
         """Compare the current quantized weights with the last two observations."""
         now = [block_values(m) for m in self.layers]
-        flips = returns = 0
+        counts = torch.zeros(2, dtype=torch.int64, device=now[0].device)  # flips, returns
         for i, key in enumerate(now):
             changed = key != self._last[i]
-            flips += int(changed.sum())
+            counts[0] += changed.sum()
             if self._before is not None:
-                returns += int((changed & (key == self._before[i])).sum())
+                counts[1] += (changed & (key == self._before[i])).sum()
         self._before, self._last = self._last, now
+        flips, returns = counts.tolist()  # one host sync per step, not one per layer
         self._flips += flips / self.numel
         self._returns += returns / self.numel
         self._count += 1

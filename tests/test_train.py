@@ -437,7 +437,8 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
                                     "fullstack-nvidia-hp-backward", "fullstack-nvidia-reblock",
                                     "fullstack-nvidia-tiles", "fullstack-nvidia-rotated",
                                     "fullstack-nvidia-fresh-sr", "fullstack-nvidia-sr-qkv",
-                                    "fullstack-nvidia-noreuse-last-bf16"])
+                                    "fullstack-nvidia-noreuse-last-bf16",
+                                    "fullstack-nvidia-noreuse-w1x16-4over6"])
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
@@ -484,6 +485,13 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     assert four_six == base.with_(name=four_six.name, x=replace(base.x, four_over_six=True),
                                   w=replace(base.w, four_over_six=True))
     assert four_six.w.block == (16, 16) and four_six.x.block == (1, 16)
+    rne = base.x
+    w1x16 = PRESETS["fullstack-nvidia-noreuse-w1x16"]
+    assert w1x16 == base.with_(name=w1x16.name, w=rne, w_dgrad=rne)
+    assert w1x16.w.block == (1, 16) and base.w.block == (16, 16) and base.w_dgrad is None
+    w1x16_46 = PRESETS["fullstack-nvidia-noreuse-w1x16-4over6"]
+    four_six_1x16 = replace(rne, four_over_six=True)
+    assert w1x16_46 == w1x16.with_(name=w1x16_46.name, x=four_six_1x16, w=four_six_1x16)
     last = PRESETS["fullstack-nvidia-noreuse-last-bf16"]
     assert last == base.with_(name=last.name, keep_last_blocks=1) and last.keep_first_blocks == 0
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

@@ -236,6 +236,14 @@ def _presets() -> dict[str, Recipe]:
         "fullstack-nvidia-noreuse-4over6": noreuse_nvidia.with_(
             name="fullstack-nvidia-noreuse-4over6", x=_nvfp4(four_over_six=True),
             w=_nvfp4(block=(16, 16), four_over_six=True)),
+        # The forward's quantization is that gap (`@forward` against `@backward`), and its 16x16
+        # weight tiles cost error a 1x16 block along K does not: W in 1x16 blocks in fprop, and
+        # quantized again along N for dgrad; then Four Over Six on those blocks and on x.
+        "fullstack-nvidia-noreuse-w1x16": noreuse_nvidia.with_(
+            name="fullstack-nvidia-noreuse-w1x16", w=rne, w_dgrad=rne),
+        "fullstack-nvidia-noreuse-w1x16-4over6": noreuse_nvidia.with_(
+            name="fullstack-nvidia-noreuse-w1x16-4over6", x=_nvfp4(four_over_six=True),
+            w=_nvfp4(four_over_six=True), w_dgrad=rne),
         # Not "everything in FP4": the last block (its linears and attention) kept in BF16, as
         # NVIDIA's recipe keeps about 15% of the linears, mostly in the last blocks (1 of 8 here).
         "fullstack-nvidia-noreuse-last-bf16": noreuse_nvidia.with_(
@@ -288,7 +296,8 @@ def recipe(name: str) -> Recipe:
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
     -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -noreuse-delta,
-    -noreuse-lora, -noreuse-4over6, -noreuse-last-bf16, -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
+    -noreuse-lora, -noreuse-4over6, -noreuse-w1x16, -noreuse-w1x16-4over6, -noreuse-last-bf16,
+    -hp-backward), qat-w, w8a8, w4a4, w4a4-rc.
     "-nvidia" below fullstack: NVIDIA's linear quantizers on every block (nvfp4-nvidia's, none
     in BF16 but in -last-bf16). "PRESET@SCOPE" quantizes only the SCOPE part of the preset's
     linears (forward, backward or weights; `scoped`)."""

@@ -1,0 +1,187 @@
+"""Where one pretraining step's time goes, per recipe: wall time against GPU kernel time.
+
+Builds the config's model and optimizer the way `fp4stack pretrain` does, runs --warmup steps,
+times --steps synchronized steps (forward + backward over the micro-batches, gradient clipping,
+the loss read back, the optimizer step), then profiles --steps more with torch.profiler. It
+reports per step: wall ms, the GPU's kernel ms (kernels on one stream do not overlap, so their sum
+is the time the GPU was busy), that busy share, kernel launches, host syncs, and the slowest
+kernels and CPU ops. A busy share well under 1 means the step waits on the host (Python, launch
+overhead, syncs), which a second run on the same GPU can fill. On CPU only the CPU ops are shown.
+
+    python benchmarks/profile_pretrain_step.py --config configs/pretrain/small.yaml \\
+        --recipes bf16,fullstack-nvidia-noreuse [--steps 5] [--out profile.json]
+    python benchmarks/profile_pretrain_step.py --config configs/pretrain/tiny.yaml \\
+        --recipes nvfp4 --vocab-size 4096 --device cpu      # random tokens, no data directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+
+from fp4stack.kernels.profiling import short_name
+from fp4stack.nn.recipe import recipe as get_recipe
+from fp4stack.train.config import load_config
+from fp4stack.train.distributed import resolve_device
+from fp4stack.train.optimizers import build_optimizer
+from fp4stack.train.trainer import build_model, clip_gradients, forward_backward, open_data
+
+
+def _batches(cfg, vocab_size: int | None, device: torch.device):
+    """(vocab_size, batch(step) -> (x, y) on device): the data's, or random tokens."""
+    if vocab_size is None:
+        train, _ = open_data(cfg)
+
+        def real(step):
+            x, y = train.train_batch(step, cfg.global_batch_size, cfg.seq_len, seed=cfg.seed)
+            return x.to(device), y.to(device)
+
+        return train.vocab_size, real
+    g = torch.Generator().manual_seed(cfg.seed)
+    tokens = torch.randint(vocab_size, (cfg.global_batch_size, cfg.seq_len + 1), generator=g)
+    return vocab_size, lambda step: (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
+
+
+def _step_fn(cfg, vocab_size: int | None, device: torch.device):
+    vocab, batch = _batches(cfg, vocab_size, device)
+    model, _ = build_model(cfg, vocab, device)
+    name = cfg.optimizer
+    if get_recipe(cfg.recipe).optimizer_states == "nvfp4" and not name.endswith("4"):
+        name += "4"  # as the trainer does
+    opt = build_optimizer(model, name, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
+                          fused=device.type == "cuda")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else nullcontext())
+    count = [0]
+
+    def step() -> float:
+        x, y = batch(count[0])
+        count[0] += 1
+        loss = forward_backward(model, x, y, cfg.micro_batch_size, False, autocast)
+        norm = clip_gradients(model, cfg.grad_clip)
+        loss_value, _ = torch.stack((loss, norm.float())).tolist()  # the trainer's one sync
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_value
+
+    return step, model.num_params()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int, warmup: int,
+                   top: int) -> dict:
+    """Timings and the profile of `steps` training steps of cfg (after `warmup` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, params = _step_fn(cfg, vocab_size, device)
+    for _ in range(warmup):
+        step()
+    walls = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(device)
+        walls.append(1e3 * (time.perf_counter() - t0))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    kernels, cpu_ops = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    syncs = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[short_name(e.name)]
+            k[0] += 1
+            k[1] += e.device_time / 1e3
+        else:
+            c = cpu_ops[e.name]
+            c[0] += 1
+            c[1] += e.self_cpu_time_total / 1e3
+            syncs += "Synchronize" in e.name
+    per = lambda table: sorted(((n, c / steps, ms / steps) for n, (c, ms) in table.items()),  # noqa: E731
+                               key=lambda r: -r[2])
+    kernel_rows, cpu_rows = per(kernels), per(cpu_ops)
+    wall = statistics.median(walls)
+    gpu = sum(ms for _, _, ms in kernel_rows)
+    return {
+        "recipe": cfg.recipe, "params": params, "loss": loss,
+        "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
+        "wall_ms": wall, "wall_ms_all": walls,
+        "tokens_per_s": cfg.global_batch_size * cfg.seq_len / wall * 1e3,
+        "gpu_kernel_ms": gpu if device.type == "cuda" else None,
+        "gpu_busy": gpu / wall if device.type == "cuda" else None,
+        "launches": sum(n for _, n, _ in kernel_rows),
+        "host_syncs": syncs / steps,
+        "kernels": kernel_rows[:top], "cpu_ops": cpu_rows[:top],
+    }
+
+
+def _table(rows, header: str) -> list[str]:
+    out = [f"| {header} | per step | ms per step |", "|---|---:|---:|"]
+    out += [f"| {name[:80]} | {n:g} | {ms:.3f} |" for name, n, ms in rows]
+    return out
+
+
+def format_report(results: list[dict]) -> str:
+    lines = ["| recipe | wall ms/step | GPU kernel ms/step | GPU busy | launches/step | "
+             "host syncs/step | tokens/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        gpu = "-" if r["gpu_kernel_ms"] is None else f"{r['gpu_kernel_ms']:.1f}"
+        busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.0f}%"
+        lines.append(f"| {r['recipe']} | {r['wall_ms']:.1f} | {gpu} | {busy} | "
+                     f"{r['launches']:g} | {r['host_syncs']:g} | {r['tokens_per_s']:,.0f} |")
+    for r in results:
+        lines += ["", f"{r['recipe']}: slowest kernels"] + _table(r["kernels"], "kernel")
+        lines += ["", f"{r['recipe']}: CPU ops by self time"] + _table(r["cpu_ops"], "op")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="pretraining YAML (configs/pretrain/...)")
+    p.add_argument("--recipes", default="bf16,fullstack-nvidia-noreuse",
+                   help="comma-separated recipes, profiled one after another in this process")
+    p.add_argument("--steps", type=int, default=5, help="steps timed, then as many profiled")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
+    p.add_argument("--top", type=int, default=15, help="rows of the kernel and CPU-op tables")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="random tokens of this vocabulary instead of the config's data")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--out", help="also write the results as JSON here")
+    args = p.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    device = resolve_device(args.device)
+    results = []
+    for name in args.recipes.split(","):
+        cfg = load_config(args.config, recipe=name, device=args.device)
+        print(f"profiling {name} on {device} ...", flush=True)
+        results.append(profile_recipe(cfg, args.vocab_size, device, args.steps, args.warmup,
+                                      args.top))
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "config": args.config,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")}
+    print(f"{meta['device']}, torch {meta['torch']}, {meta['date']}")
+    print(format_report(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -74,13 +74,10 @@ MOE = {"preset": "tiny-moe", "dim": 32, "n_layers": 3, "n_heads": 2, "n_kv_heads
        "n_experts": 4, "top_k": 2, "moe_hidden": 32}
 
 
-@pytest.fixture
-def fast_lowrank(monkeypatch):
-    """A `lowrank` preset whose factors refresh every 3 forwards, so short runs refresh."""
-    name = "lowrank-refresh3"
-    monkeypatch.setitem(PRESETS, name, PRESETS["lowrank"].with_(
-        name=name, lowrank=LowRank(rank=4, refresh_every=3)))
-    return name
+# `lowrank` with factors refreshed every 3 forwards, so short runs refresh; written as a config
+# mapping, so a resume also checks that the mapping survives the checkpoint's config.json.
+FAST_LOWRANK = {"preset": "lowrank", "name": "lowrank-refresh3",
+                "lowrank": {"rank": 4, "refresh_every": 3}}
 
 
 # ---------------------------------------------------------------------------------- recipes
@@ -163,10 +160,10 @@ def test_no_weight_decay_on_norms_and_embeddings():
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense-nvfp4-nvidia", "moe-lowrank"])
-def test_resume_is_bit_exact(data, tmp_path, moe, fast_lowrank):
+def test_resume_is_bit_exact(data, tmp_path, moe):
     # nvfp4-nvidia draws stochastic-rounding seeds from the RNG; lowrank refreshes its factors
     # every 3 forwards: both states must come back from the checkpoint for the curves to match.
-    kw = ({"model": MOE, "recipe": fast_lowrank} if moe else {"recipe": "nvfp4-nvidia"})
+    kw = ({"model": MOE, "recipe": FAST_LOWRANK} if moe else {"recipe": "nvfp4-nvidia"})
     full = train(config(data, tmp_path / "full", max_steps=8, **kw))
     train(config(data, tmp_path / "split", max_steps=4, lr_decay_steps=8, **kw))
     resumed = train(config(data, tmp_path / "split", max_steps=8, **kw), resume=True)
@@ -349,6 +346,8 @@ def test_nonfinite_steps_stop_training(data, tmp_path, monkeypatch):
     ({"max_steps": 0}, "max_steps must be an integer >= 1"),
     ({"recipe": "nvfp5"}, "recipe: unknown recipe 'nvfp5'"),
     ({"recipe": "nvfp4@sideways"}, "recipe: recipe scope 'sideways' is unknown"),
+    ({"recipe": {"preset": "nvfp4", "w": {"blok": 1}}}, r"config: recipe\.w\.blok: unknown field"),
+    ({"recipe": 4}, "recipe: a recipe is a preset name, a mapping or a Recipe"),
     ({"distributed": "zero3"}, "distributed must be one of"),
     ({"device": "tpu"}, "device must be auto"),
     ({"model": {"dimm": 32}}, r"model.dimm: unknown GPTConfig field.*did you mean 'dim'"),
@@ -442,6 +441,16 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
 def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_path, recipe):
     result = train(config(data, tmp_path, recipe=recipe, max_steps=3))
     assert result["optimizer"] == "adamw4" and math.isfinite(result["final_val_loss"])
+
+
+def test_recipe_mapping_names_the_run(data, tmp_path):
+    mapping = {"preset": "nvfp4-nvidia", "x": {"four_over_six": True}}
+    cfg = config(data, tmp_path / "{recipe}", recipe=mapping, max_steps=2)
+    assert cfg.recipe_name == "nvfp4-nvidia+x" and cfg.out_dir == tmp_path / "nvfp4-nvidia+x"
+    result = train(cfg)
+    assert result["recipe"] == "nvfp4-nvidia+x" and math.isfinite(result["final_val_loss"])
+    saved = json.loads((cfg.out_dir / "config.json").read_text())
+    assert saved["recipe"] == mapping  # the run's config says what its recipe was
 
 
 def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():

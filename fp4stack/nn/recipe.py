@@ -10,8 +10,9 @@ and what a fake-quantized trainer's autograd does); `QuantSpec.none()` uses the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from ..formats.spec import QuantSpec
 from .attention import AttentionQuant
@@ -291,8 +292,9 @@ def scoped(r: Recipe, scope: str) -> Recipe:
                    weight_storage=r.weight_storage if w_kept else "master")
 
 
-def recipe(name: str) -> Recipe:
-    """A named preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
+def recipe(name: str | Recipe | Mapping[str, Any]) -> Recipe:
+    """A Recipe as it is, a mapping (a preset with fields changed: `recipe_mapping`), or a named
+    preset: bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, lowrank-nvidia, fullstack (and
     its attention ablations fullstack-noreuse, fullstack-ds-hp), fullstack-nvidia (and
     fullstack-nvidia-noreuse, -reuse-v, -reuse-qk, -reblock, -tiles, -rotated,
     -rotated-noreuse, -fresh-sr, -noreuse-sr, -sr-qkv, -sr-qkv-noreuse, -noreuse-delta,
@@ -303,6 +305,12 @@ def recipe(name: str) -> Recipe:
     linears (forward, backward or weights; `scoped`)."""
     if isinstance(name, Recipe):
         return name
+    if isinstance(name, Mapping):
+        from .recipe_mapping import recipe_from_mapping  # it builds on this module
+
+        return recipe_from_mapping(name)
+    if not isinstance(name, str):
+        raise ValueError(f"a recipe is a preset name, a mapping or a Recipe, got {name!r}")
     base, at, scope = name.partition("@")
     if base not in PRESETS:
         raise ValueError(f"unknown recipe {base!r}; the presets are {sorted(PRESETS)}, each "

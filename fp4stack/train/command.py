@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    ".yaml)")
     p.add_argument("--recipe", help="bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, ...; "
                    "PRESET@forward, @backward or @weights quantizes only that part of the "
-                   "preset's linears (default: the config's)")
+                   "preset's linears (default: the config's, which may also be a preset "
+                   "with fields changed: README, 'Quantized layers, recipes and models')")
     p.add_argument("--max-steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--out", help="output directory; '{recipe}' is replaced by the recipe name")
     p.add_argument("--data", help="data directory with train.bin, val.bin, manifest.json")

@@ -55,7 +55,7 @@ class PretrainConfig:
     ckpt_every: int = 0  # steps between checkpoints; 0: only the final one
     keep_checkpoints: int = 2
     seed: int = 0  # model init, data order and stochastic rounding
-    recipe: str = "bf16"
+    recipe: str | dict[str, Any] = "bf16"  # preset name, or {preset: NAME, <field>: ...}
     optimizer: str = "adamw"  # adamw, adamw4 (NVFP4 states), muon, muon4 (NVFP4 Newton-Schulz)
     muon_lr: float = 0.02  # learning rate of Muon's matrices (the rest use lr)
     max_nan_skips: int = 5  # consecutive non-finite steps skipped before training stops
@@ -88,12 +88,12 @@ class PretrainConfig:
                              f"micro_batch_size {self.micro_batch_size}")
         try:
             quantized_w = get_recipe(self.recipe).w.format == "nvfp4"
-        except ValueError as e:
-            raise ValueError(f"recipe: {e}") from e
+        except ValueError as e:  # a mapping's errors already name their field
+            raise ValueError(str(e) if isinstance(self.recipe, dict) else f"recipe: {e}") from e
         if self.weight_flips and not quantized_w:
-            raise ValueError(f"weight_flips: recipe {self.recipe!r} does not quantize its weights "
-                             "to NVFP4, so no weight can flip; use an NVFP4 recipe or set "
-                             "weight_flips: false")
+            raise ValueError(f"weight_flips: recipe {self.recipe_name!r} does not quantize its "
+                             "weights to NVFP4, so no weight can flip; use an NVFP4 recipe or "
+                             "set weight_flips: false")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of "
                              f"{list(OPTIMIZERS)}")
@@ -114,8 +114,13 @@ class PretrainConfig:
         return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
 
     @property
+    def recipe_name(self) -> str:
+        """The recipe's name: the preset's, or a mapping's `name` (fp4stack.nn.recipe_mapping)."""
+        return get_recipe(self.recipe).name
+
+    @property
     def out_dir(self) -> Path:
-        return Path(self.out.replace("{recipe}", self.recipe))
+        return Path(self.out.replace("{recipe}", self.recipe_name))
 
     def model_config(self, vocab_size: int | None) -> GPTConfig:
         """The GPTConfig of this run for data with `vocab_size` tokens (None: the preset's)."""

@@ -258,7 +258,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
     n_params = gpt.num_params()
     say(f"pretrain: {n_params / 1e6:.2f}M parameters"
         + (f" ({gpt.num_params(active=True) / 1e6:.2f}M active)" if gpt.config.moe else "")
-        + f", recipe {cfg.recipe}, optimizer {optimizer_name}, {env.world_size} x {device}"
+        + f", recipe {cfg.recipe_name}, optimizer {optimizer_name}, {env.world_size} x {device}"
         + (f" ({cfg.distributed})" if env.distributed else "")
         + f", {cfg.global_batch_size} x {cfg.seq_len} = {tokens_per_step} tokens/step "
         f"(micro {cfg.micro_batch_size} x {accum} accumulation), steps {start_step} -> "
@@ -335,7 +335,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
                     f"{cfg.max_nan_skips}); training stopped. The last checkpoint is intact: lower "
                     "lr, lengthen warmup, or try a more robust recipe (nvfp4-nvidia, lowrank)")
             if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or last:
-                state = {"recipe": cfg.recipe, "tokens": done * tokens_per_step,
+                state = {"recipe": cfg.recipe_name, "tokens": done * tokens_per_step,
                          "train_tokens": len(train_data), "nan_skips": skips_total,
                          "nan_skips_in_a_row": skips_row, "train_s": prior_train_s + train_s,
                          "lowrank_counters": lowrank_counters(gpt), "world_size": env.world_size,
@@ -349,7 +349,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
 
     steps_run = cfg.max_steps - start_step
     result = {
-        "recipe": cfg.recipe, "steps": cfg.max_steps, "steps_this_run": steps_run,
+        "recipe": cfg.recipe_name, "steps": cfg.max_steps, "steps_this_run": steps_run,
         "tokens": cfg.max_steps * tokens_per_step, "final_loss": loss_value,
         "final_val_loss": val_loss,
         "tokens_per_s": steps_run * tokens_per_step / train_s if train_s else math.nan,

@@ -1,0 +1,122 @@
+"""A Recipe written as data (a YAML mapping): a preset with some of its fields changed.
+
+    recipe:
+      preset: fullstack-nvidia-noreuse      # any preset name, PRESET@SCOPE too
+      name: fwd-4over6                      # optional; default: the preset + the keys changed
+      x: {four_over_six: true}              # QuantSpec fields over the preset's spec
+      w: {block: [1, 16], four_over_six: true}
+      w_dgrad: {block: [1, 16]}
+      attention: {reuse: false, delta: dp}  # AttentionQuant fields over the preset's (or null)
+      keep_last_blocks: 1
+
+A linear operand is a mapping of QuantSpec fields (applied over the preset's spec, or over
+NVFP4 1x16 round-to-nearest when the preset leaves it unquantized), "none" (unquantized) or, for
+w_dgrad and x_wgrad, null (reuse the forward's quantized tensor). lowrank, compensation and
+attention take a mapping of their own fields, or null to drop them; attention's q, k, v, p, ds
+and dp take QuantSpec mappings, "none" or null. Every unknown key is an error naming the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+from ..formats.spec import QuantSpec
+from .attention_quant import AttentionQuant
+from .recipe import _LINEAR_OPERANDS, LowRank, Recipe, ResidualCompensation
+
+_DEFAULT_SPEC = QuantSpec(nan_policy="propagate")  # as the presets' layers: no per-call sync
+_SCALARS = ("weight_storage", "activation_amax", "keep_first_blocks", "keep_last_blocks",
+            "optimizer_states")
+_PARTS = {"lowrank": LowRank, "compensation": ResidualCompensation, "attention": AttentionQuant}
+_ATTENTION_SPECS = ("q", "k", "v", "p", "ds", "dp")
+KEYS = ("preset", "name", *_LINEAR_OPERANDS, *_SCALARS, *_PARTS)
+
+
+def _unknown(where: str, key: str, known) -> ValueError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"{where}.{key}: unknown field{hint}; known fields: {sorted(known)}")
+
+
+def _spec(where: str, value: Any, base: QuantSpec | None, nullable: bool) -> QuantSpec | None:
+    if value is None:
+        if not nullable:
+            raise ValueError(f"{where}: null (reuse the forward's tensor) is only for w_dgrad "
+                             "and x_wgrad; write none for an unquantized operand")
+        return None
+    if value == "none":
+        return QuantSpec.none()
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a mapping of QuantSpec fields or none, "
+                         f"got {value!r}")
+    known = {f.name for f in fields(QuantSpec)}
+    for key in value:
+        if key not in known:
+            raise _unknown(where, key, known)
+    start = base if base is not None and base.format != "none" else _DEFAULT_SPEC
+    try:
+        return replace(start, **value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _part(where: str, cls: type, value: Any, base: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields or null, "
+                         f"got {value!r}")
+    known = {f.name for f in fields(cls)}
+    changes = {}
+    for key, v in value.items():
+        if key not in known:
+            raise _unknown(where, key, known)
+        if cls is AttentionQuant and key in _ATTENTION_SPECS:
+            v = _spec(f"{where}.{key}", v, getattr(base or cls(), key), nullable=True)
+        changes[key] = v
+    try:
+        return replace(base, **changes) if base is not None else cls(**changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
+    """The Recipe a mapping describes (see the module docstring); errors name the field."""
+    from .recipe import recipe as named
+
+    if not isinstance(m, Mapping):
+        raise ValueError(f"{where}: expected a preset name or a mapping, got {m!r}")
+    for key in m:
+        if key not in KEYS:
+            raise _unknown(where, key, KEYS)
+    if not isinstance(m.get("preset"), str):
+        raise ValueError(f"{where}.preset: a preset name is required (e.g. nvfp4-nvidia), got "
+                         f"{m.get('preset')!r}")
+    try:
+        base = named(m["preset"])
+    except ValueError as e:
+        raise ValueError(f"{where}.preset: {e}") from e
+    changed = [k for k in m if k not in ("preset", "name")]
+    name = m.get("name") or "+".join([m["preset"], *changed])
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.name: expected a string, got {name!r}")
+    changes: dict[str, Any] = {"name": name}
+    for key in changed:
+        value = m[key]
+        if key in _LINEAR_OPERANDS:
+            nullable = key in ("w_dgrad", "x_wgrad")
+            base_spec = getattr(base, key)
+            if base_spec is None:  # reused: the forward operand's spec is the one in effect
+                base_spec = getattr(base, "w" if key == "w_dgrad" else "x")
+            changes[key] = _spec(f"{where}.{key}", value, base_spec, nullable)
+        elif key in _PARTS:
+            changes[key] = _part(f"{where}.{key}", _PARTS[key], value, getattr(base, key))
+        else:
+            changes[key] = value
+    try:
+        return base.with_(**changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e

@@ -27,11 +27,16 @@ from contextlib import nullcontext
 import torch
 
 from fp4stack.kernels.profiling import short_name
-from fp4stack.nn.recipe import recipe as get_recipe
 from fp4stack.train.config import load_config
 from fp4stack.train.distributed import resolve_device
 from fp4stack.train.optimizers import build_optimizer
-from fp4stack.train.trainer import build_model, clip_gradients, forward_backward, open_data
+from fp4stack.train.trainer import (
+    build_model,
+    clip_gradients,
+    forward_backward,
+    open_data,
+    optimizer_of,
+)
 
 
 def _batches(cfg, vocab_size: int | None, device: torch.device):
@@ -52,10 +57,7 @@ def _batches(cfg, vocab_size: int | None, device: torch.device):
 def _step_fn(cfg, vocab_size: int | None, device: torch.device):
     vocab, batch = _batches(cfg, vocab_size, device)
     model, _ = build_model(cfg, vocab, device)
-    name = cfg.optimizer
-    if get_recipe(cfg.recipe).optimizer_states == "nvfp4" and not name.endswith("4"):
-        name += "4"  # as the trainer does
-    opt = build_optimizer(model, name, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+    opt = build_optimizer(model, optimizer_of(cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                           weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
                           fused=device.type == "cuda")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"

@@ -26,6 +26,7 @@ from typing import Any
 from ..formats.spec import QuantSpec
 from .attention_quant import AttentionQuant
 from .recipe import _LINEAR_OPERANDS, LowRank, Recipe, ResidualCompensation
+from .recipe import recipe as named
 
 _DEFAULT_SPEC = QuantSpec(nan_policy="propagate")  # as the presets' layers: no per-call sync
 _SCALARS = ("weight_storage", "activation_amax", "keep_first_blocks", "keep_last_blocks",
@@ -85,8 +86,6 @@ def _part(where: str, cls: type, value: Any, base: Any) -> Any:
 
 def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
     """The Recipe a mapping describes (see the module docstring); errors name the field."""
-    from .recipe import recipe as named
-
     if not isinstance(m, Mapping):
         raise ValueError(f"{where}: expected a preset name or a mapping, got {m!r}")
     for key in m:

@@ -139,6 +139,13 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: 
     return loss_sum / accum
 
 
+def optimizer_of(cfg: PretrainConfig) -> str:
+    """The optimizer a run uses: the config's, its NVFP4-state form when the recipe asks."""
+    if get_recipe(cfg.recipe).optimizer_states == "nvfp4" and not cfg.optimizer.endswith("4"):
+        return cfg.optimizer + "4"
+    return cfg.optimizer
+
+
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip to a global norm of max_norm (0: no clipping); returns the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -232,9 +239,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
                          "or set weight_flips: false")
     flips = WeightFlips(gpt) if cfg.weight_flips and env.is_main else None  # main logs
     model = distributed.wrap(model, cfg.distributed, env)
-    optimizer_name = cfg.optimizer
-    if get_recipe(cfg.recipe).optimizer_states == "nvfp4" and not cfg.optimizer.endswith("4"):
-        optimizer_name += "4"  # the recipe stores optimizer states in NVFP4
+    optimizer_name = optimizer_of(cfg)
     optimizer = build_optimizer(model, optimizer_name, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                 weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr,
                                 seed=cfg.seed, fused=device.type == "cuda")

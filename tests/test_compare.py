@@ -141,3 +141,33 @@ def test_seed_band_spans_the_seeds_at_their_common_steps():
     assert band[20] == (200.0, 2.0, 1.0, 3.0)
     assert seed_band([]) == {}
     assert seed_band(curves[:1]) == {t: (x, y, y, y) for t, (x, y) in curves[0].items()}
+
+
+def test_a_recipe_file_runs_under_its_mapping_name(setup, tmp_path):
+    config, _ = setup
+    path = tmp_path / "x46.yaml"
+    path.write_text("recipe:\n  preset: nvfp4\n  name: nvfp4-x46\n  x: {four_over_six: true}\n")
+    out = tmp_path / "out"
+    rows = run_comparison(config, ["bf16", str(path)], out, max_steps=2)
+    assert [r.recipe for r in rows] == ["bf16", "nvfp4-x46"]
+    run = out / "nvfp4-x46-s0"
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["recipe"] == {"preset": "nvfp4", "name": "nvfp4-x46",
+                               "x": {"four_over_six": True}}
+    assert "| nvfp4-x46 | 0 |" in (out / "compare.md").read_text()
+    # Reported again without training, the file still names its run.
+    again = run_comparison(config, ["bf16", str(path)], out, train_missing=False)
+    assert [(r.recipe, r.val_loss) for r in again] == [(r.recipe, r.val_loss) for r in rows]
+
+
+@pytest.mark.parametrize("text, match", [
+    (None, "recipe file .* not found"),
+    ("recipe: {preset: nvfp4, x: {}}\n", r"x46\.yaml: recipe\.name: required"),
+])
+def test_a_bad_recipe_file_is_named(setup, tmp_path, text, match):
+    config, _ = setup
+    path = tmp_path / "x46.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        run_comparison(config, [str(path)], tmp_path / "out")

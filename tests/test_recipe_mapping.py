@@ -41,20 +41,21 @@ def test_mappings_rebuild_the_presets(preset, mapping):
     assert built == PRESETS[preset]
 
 
-def test_none_null_and_the_default_name():
-    r = recipe({"preset": "nvfp4", "dy": "none", "x_wgrad": None, "w_dgrad": {"block": [16, 16]}})
-    assert r.name == "nvfp4+dy+x_wgrad+w_dgrad"
+def test_none_null_and_the_name():
+    r = recipe({"preset": "nvfp4", "name": "mine", "dy": "none", "x_wgrad": None,
+                "w_dgrad": {"block": [16, 16]}})
+    assert r.name == "mine"
     assert r.dy == QuantSpec.none() and r.x_wgrad is None
     assert r.w_dgrad == replace(PRESETS["nvfp4"].w_dgrad, block=(16, 16))
     # A reused operand's changes start from the forward spec that is in effect for it.
-    r = recipe({"preset": "nvfp4-nvidia", "w_dgrad": {"four_over_six": True}})
+    r = recipe({"preset": "nvfp4-nvidia", "name": "mine", "w_dgrad": {"four_over_six": True}})
     assert r.w_dgrad == replace(PRESETS["nvfp4-nvidia"].w, four_over_six=True)
     assert recipe({"preset": "nvfp4"}) == PRESETS["nvfp4"]  # nothing changed: the preset
 
 
 def test_scoped_preset_in_a_mapping():
-    r = recipe({"preset": "nvfp4-nvidia@forward", "x": {"four_over_six": True}})
-    assert r.name == "nvfp4-nvidia@forward+x" and r.x.four_over_six and r.dy.format == "none"
+    r = recipe({"preset": "nvfp4-nvidia@forward", "name": "fwd", "x": {"four_over_six": True}})
+    assert r.name == "fwd" and r.x.four_over_six and r.dy.format == "none"
 
 
 @pytest.mark.parametrize("mapping, message", [
@@ -76,7 +77,9 @@ def test_scoped_preset_in_a_mapping():
     ({"preset": "nvfp4", "lowrank": {"rank": 0}}, r"recipe\.lowrank: LowRank\.rank must be"),
     ({"preset": "nvfp4", "keep_last_blocks": -1}, r"recipe: Recipe\.keep_first_blocks and "
                                                    r"keep_last_blocks must be >= 0"),
-    ({"preset": "nvfp4", "name": 3}, r"recipe\.name: expected a string"),
+    ({"preset": "nvfp4", "name": 3}, r"recipe\.name: expected a non-empty string"),
+    ({"preset": "nvfp4", "name": "a/b"}, r"recipe\.name: expected a non-empty string without"),
+    ({"preset": "nvfp4", "x": {}}, r"recipe\.name: required when fields of the preset change"),
 ])
 def test_bad_mappings_name_the_field(mapping, message):
     with pytest.raises(ValueError, match=message):

@@ -444,11 +444,11 @@ def test_fullstack_recipe_trains_with_nvfp4_states_and_fp4_attention(data, tmp_p
 
 
 def test_recipe_mapping_names_the_run(data, tmp_path):
-    mapping = {"preset": "nvfp4-nvidia", "x": {"four_over_six": True}}
+    mapping = {"preset": "nvfp4-nvidia", "name": "x-4over6", "x": {"four_over_six": True}}
     cfg = config(data, tmp_path / "{recipe}", recipe=mapping, max_steps=2)
-    assert cfg.recipe_name == "nvfp4-nvidia+x" and cfg.out_dir == tmp_path / "nvfp4-nvidia+x"
+    assert cfg.recipe_name == "x-4over6" and cfg.out_dir == tmp_path / "x-4over6"
     result = train(cfg)
-    assert result["recipe"] == "nvfp4-nvidia+x" and math.isfinite(result["final_val_loss"])
+    assert result["recipe"] == "x-4over6" and math.isfinite(result["final_val_loss"])
     saved = json.loads((cfg.out_dir / "config.json").read_text())
     assert saved["recipe"] == mapping  # the run's config says what its recipe was
 

@@ -2,7 +2,7 @@
 
     recipe:
       preset: fullstack-nvidia-noreuse      # any preset name, PRESET@SCOPE too
-      name: fwd-4over6                      # optional; default: the preset + the keys changed
+      name: fwd-4over6                      # required when a field changes: it names the run
       x: {four_over_six: true}              # QuantSpec fields over the preset's spec
       w: {block: [1, 16], four_over_six: true}
       w_dgrad: {block: [1, 16]}
@@ -99,10 +99,7 @@ def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
     except ValueError as e:
         raise ValueError(f"{where}.preset: {e}") from e
     changed = [k for k in m if k not in ("preset", "name")]
-    name = m.get("name") or "+".join([m["preset"], *changed])
-    if not isinstance(name, str):
-        raise ValueError(f"{where}.name: expected a string, got {name!r}")
-    changes: dict[str, Any] = {"name": name}
+    changes: dict[str, Any] = {}
     for key in changed:
         value = m[key]
         if key in _LINEAR_OPERANDS:
@@ -116,6 +113,15 @@ def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
         else:
             changes[key] = value
     try:
-        return base.with_(**changes)
+        built = base.with_(**changes)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from e
+    # Runs are found by name (their directory, compare's rows), so two different mappings must
+    # not share a derived one: a changed recipe is named by its author.
+    name = m.get("name", None if changed else base.name)
+    if name is None:
+        raise ValueError(f"{where}.name: required when fields of the preset change ({changed}): "
+                         "it names the run's directory and its row in comparisons")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"{where}.name: expected a non-empty string without '/', got {name!r}")
+    return built.with_(name=name)

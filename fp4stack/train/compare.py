@@ -15,6 +15,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from ..nn.recipe import recipe as get_recipe
 from .checkpoint import latest_checkpoint
 from .config import load_config
 from .metrics import read_metrics
@@ -39,37 +42,57 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     """Train every recipe at every seed in `seeds` (and BF16 at the extra `baseline_seeds`) from
     one config.
 
-    A run is a recipe name, or "recipe+optimizer" (e.g. "bf16+adamw4") to change the config's
-    optimizer. Each run writes to out/<run>-s<seed>; a finished run (its result.json present) is
-    reused and an interrupted one resumes from its last checkpoint, so an interrupted comparison
-    picks up where it stopped. train_missing=False reports on the finished runs only and trains
-    nothing.
+    A run is a recipe name, a YAML file holding a recipe mapping (fp4stack.nn.recipe_mapping;
+    the run is named by the mapping's name), or either with "+optimizer" (e.g. "bf16+adamw4") to
+    change the config's optimizer. Each run writes to out/<run>-s<seed>; a finished run (its
+    result.json present) is reused and an interrupted one resumes from its last checkpoint, so an
+    interrupted comparison picks up where it stopped. train_missing=False reports on the
+    finished runs only and trains nothing.
     """
     out = Path(out)
     if not seeds:
         raise ValueError("seeds is empty; give at least one seed (e.g. --seeds 0)")
     plan = [(r, s) for r in recipes for s in seeds]
     plan += [(BASELINE, s) for s in baseline_seeds if s not in seeds or BASELINE not in recipes]
+    runs = {entry: _run(entry) for entry in dict.fromkeys(r for r, _ in plan)}
     rows = []
-    for recipe, s in plan:
-        run_dir = out / f"{recipe}-s{s}"
+    for entry, s in plan:
+        label, recipe, optimizer = runs[entry]
+        run_dir = out / f"{label}-s{s}"
         done = run_dir / "result.json"
         if done.exists():
             result = json.loads(done.read_text())
         elif not train_missing:
             continue
         else:
-            name, _, optimizer = recipe.partition("+")  # "bf16+adamw4": recipe + optimizer
-            cfg = load_config(config, recipe=name, seed=s, out=str(run_dir),
-                              optimizer=optimizer or None, **overrides)
+            cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir),
+                              optimizer=optimizer, **overrides)
             result = train(cfg, resume=latest_checkpoint(run_dir) is not None)
-        rows.append(RunRow(recipe, s, float(result["final_val_loss"]),
+        rows.append(RunRow(label, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
                            int(result["steps"]), str(run_dir)))
     if not rows:
         raise FileNotFoundError(f"no finished runs in {out} (train_missing=False trains none)")
     write_report(rows, out)
     return rows
+
+
+def _run(entry: str) -> tuple[str, str | dict, str | None]:
+    """(label, recipe, optimizer) of a run entry: "recipe[+optimizer]", where the recipe is a
+    preset name or a YAML file with a recipe mapping (top-level, or under a `recipe` key)."""
+    spec, _, optimizer = entry.partition("+")
+    if not spec.endswith((".yaml", ".yml")):
+        return entry, spec, optimizer or None
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe file {spec} not found")
+    data = yaml.safe_load(path.read_text())
+    mapping = data.get("recipe", data) if isinstance(data, dict) else data
+    try:
+        name = get_recipe(mapping).name
+    except ValueError as e:
+        raise ValueError(f"{spec}: {e}") from e
+    return name + (f"+{optimizer}" if optimizer else ""), mapping, optimizer or None
 
 
 def gaps(rows: list[RunRow]) -> dict[tuple[str, int], float | None]:
@@ -215,8 +238,10 @@ def plot_curves(rows: list[RunRow], path: Path) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config shared by every run")
     p.add_argument("--recipes", default="bf16,nvfp4,nvfp4-nvidia,lowrank",
-                   help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank); "
-                   "recipe+optimizer (e.g. bf16+adamw4, bf16+muon4) changes the optimizer")
+                   help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank): "
+                   "preset names or YAML files with a recipe mapping (a preset with fields "
+                   "changed); recipe+optimizer (e.g. bf16+adamw4, bf16+muon4) changes the "
+                   "optimizer")
     p.add_argument("--seeds", default="0",
                    help="seeds every recipe runs at, comma-separated (default 0)")
     p.add_argument("--baseline-seeds", default="",

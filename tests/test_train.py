@@ -411,6 +411,17 @@ def test_cli_pretrain(data, tmp_path, capsys):
     assert "fp4stack data build" in capsys.readouterr().err
     assert main(["pretrain", "--config", str(cfg), "--recipe", "nvfp5"]) == 2
     assert "unknown recipe 'nvfp5'" in capsys.readouterr().err
+    # A recipe file: the mapping trains under its name; a bad one is refused naming the file.
+    (tmp_path / "r.yaml").write_text("preset: qat-w\nname: qat-w46\nw: {four_over_six: true}\n")
+    assert main(["pretrain", "--config", str(cfg), "--recipe", str(tmp_path / "r.yaml"),
+                 "--max-steps", "1", "--out", str(out)]) == 0
+    saved = json.loads((tmp_path / "runs" / "qat-w46" / "config.json").read_text())
+    assert saved["recipe"]["w"] == {"four_over_six": True}
+    (tmp_path / "bad.yaml").write_text("recipe: {preset: qat-w, w: {four_over_six: true}}\n")
+    assert main(["pretrain", "--config", str(cfg), "--recipe", str(tmp_path / "bad.yaml")]) == 2
+    assert "bad.yaml: recipe.name: required" in capsys.readouterr().err
+    assert main(["pretrain", "--config", str(cfg), "--recipe", str(tmp_path / "no.yaml")]) == 2
+    assert "recipe file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("optimizer", ["adamw4", "muon", "muon4"])

@@ -17,8 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    ".yaml)")
     p.add_argument("--recipe", help="bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, ...; "
                    "PRESET@forward, @backward or @weights quantizes only that part of the "
-                   "preset's linears (default: the config's, which may also be a preset "
-                   "with fields changed: README, 'Quantized layers, recipes and models')")
+                   "preset's linears; or a YAML file holding a recipe mapping, a preset "
+                   "with fields changed (README, 'Quantized layers, recipes and models'; "
+                   "default: the config's)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--out", help="output directory; '{recipe}' is replaced by the recipe name")
     p.add_argument("--data", help="data directory with train.bin, val.bin, manifest.json")
@@ -40,11 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .config import load_config
+    from .config import load_config, recipe_arg
     from .trainer import NonFiniteLossError, train
 
     try:
-        cfg = load_config(args.config, recipe=args.recipe, max_steps=args.max_steps,
+        recipe = recipe_arg(args.recipe) if args.recipe else None
+        cfg = load_config(args.config, recipe=recipe, max_steps=args.max_steps,
                           out=args.out, data=args.data, seed=args.seed, device=args.device,
                           distributed=args.distributed, micro_batch_size=args.micro_batch_size,
                           deterministic=args.deterministic, weight_flips=args.weight_flips)

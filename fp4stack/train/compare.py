@@ -15,11 +15,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ..nn.recipe import recipe as get_recipe
 from .checkpoint import latest_checkpoint
-from .config import load_config
+from .config import load_config, recipe_arg
 from .metrics import read_metrics
 from .trainer import train
 
@@ -78,21 +76,14 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
 
 
 def _run(entry: str) -> tuple[str, str | dict, str | None]:
-    """(label, recipe, optimizer) of a run entry: "recipe[+optimizer]", where the recipe is a
-    preset name or a YAML file with a recipe mapping (top-level, or under a `recipe` key)."""
+    """(label, recipe, optimizer) of a run entry "recipe[+optimizer]", the recipe a preset name
+    or a YAML file with a recipe mapping (`recipe_arg`), labelled by its name."""
     spec, _, optimizer = entry.partition("+")
-    if not spec.endswith((".yaml", ".yml")):
-        return entry, spec, optimizer or None
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"recipe file {spec} not found")
-    data = yaml.safe_load(path.read_text())
-    mapping = data.get("recipe", data) if isinstance(data, dict) else data
-    try:
-        name = get_recipe(mapping).name
-    except ValueError as e:
-        raise ValueError(f"{spec}: {e}") from e
-    return name + (f"+{optimizer}" if optimizer else ""), mapping, optimizer or None
+    recipe = recipe_arg(spec)
+    if isinstance(recipe, str):
+        return entry, recipe, optimizer or None
+    name = get_recipe(recipe).name
+    return name + (f"+{optimizer}" if optimizer else ""), recipe, optimizer or None
 
 
 def gaps(rows: list[RunRow]) -> dict[tuple[str, int], float | None]:

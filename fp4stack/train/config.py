@@ -208,6 +208,25 @@ def from_dict(d: dict[str, Any], source: str = "config") -> PretrainConfig:
         raise ValueError(f"{source}: {e}") from e
 
 
+def recipe_arg(value: str) -> str | dict[str, Any]:
+    """A --recipe(s) value: a preset name as it is, or the recipe mapping that a YAML file (.yaml,
+    .yml) holds, top-level or under a `recipe` key (fp4stack.nn.recipe_mapping), checked."""
+    if not value.endswith((".yaml", ".yml")):
+        return value
+    import yaml
+
+    path = Path(value)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe file {value} not found")
+    data = yaml.safe_load(path.read_text())
+    mapping = data.get("recipe", data) if isinstance(data, dict) else data
+    try:
+        get_recipe(mapping)
+    except ValueError as e:
+        raise ValueError(f"{value}: {e}") from e
+    return mapping
+
+
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> PretrainConfig:
     """Read a YAML config (None: the defaults) and apply CLI overrides (None values ignored)."""
     import yaml
@@ -225,4 +244,5 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Pret
         raise ValueError(f"{path or 'config'} with overrides {overrides}: {e}") from e
 
 
-__all__ = ["DATA_COMMANDS", "MODEL_PRESETS", "PretrainConfig", "from_dict", "load_config"]
+__all__ = ["DATA_COMMANDS", "MODEL_PRESETS", "PretrainConfig", "from_dict", "load_config",
+           "recipe_arg"]

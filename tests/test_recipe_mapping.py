@@ -89,3 +89,20 @@ def test_bad_mappings_name_the_field(mapping, message):
 def test_other_types_are_refused():
     with pytest.raises(ValueError, match="a preset name, a mapping or a Recipe"):
         recipe(4)
+
+
+def test_shipped_recipe_files_are_the_linears_of_their_presets():
+    """configs/recipes/*.yaml build, and each is its full-stack preset's linear operands."""
+    from pathlib import Path
+
+    from fp4stack.nn.recipe import _LINEAR_OPERANDS
+    from fp4stack.train.config import recipe_arg
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs/recipes").glob("*.yaml"))
+    assert files
+    for path in files:
+        r = recipe(recipe_arg(str(path)))
+        assert r.name == path.stem
+        full = PRESETS[r.name.replace("lowrank-nvidia", "fullstack-nvidia-noreuse")]
+        assert all(getattr(r, f) == getattr(full, f) for f in _LINEAR_OPERANDS), path.name
+        assert r.lowrank == full.lowrank and r.attention is None

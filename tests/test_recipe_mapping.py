@@ -80,6 +80,8 @@ def test_scoped_preset_in_a_mapping():
     ({"preset": "nvfp4", "name": 3}, r"recipe\.name: expected a non-empty string"),
     ({"preset": "nvfp4", "name": "a/b"}, r"recipe\.name: expected a non-empty string without"),
     ({"preset": "nvfp4", "x": {}}, r"recipe\.name: required when fields of the preset change"),
+    ({"preset": "nvfp4", "name": "lowrank", "x": {"four_over_six": True}},
+     r"recipe\.name: 'lowrank' is a preset's name and this recipe differs"),
 ])
 def test_bad_mappings_name_the_field(mapping, message):
     with pytest.raises(ValueError, match=message):

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..formats.spec import QuantSpec
 from .attention_quant import AttentionQuant
-from .recipe import _LINEAR_OPERANDS, LowRank, Recipe, ResidualCompensation
+from .recipe import _LINEAR_OPERANDS, PRESETS, LowRank, Recipe, ResidualCompensation
 from .recipe import recipe as named
 
 _DEFAULT_SPEC = QuantSpec(nan_policy="propagate")  # as the presets' layers: no per-call sync
@@ -124,4 +124,8 @@ def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
                          "it names the run's directory and its row in comparisons")
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"{where}.name: expected a non-empty string without '/', got {name!r}")
-    return built.with_(name=name)
+    built = built.with_(name=name)
+    if name in PRESETS and built != PRESETS[name]:
+        raise ValueError(f"{where}.name: {name!r} is a preset's name and this recipe differs "
+                         "from that preset; give it a name of its own")
+    return built

@@ -5,6 +5,12 @@ from __future__ import annotations
 import functools
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host's grid sizes (triton.cdiv is a constexpr function there, slower
+    to call on every launch)."""
+    return -(-a // b)
+
+
 @functools.cache
 def available() -> bool:
     """True when Triton imports (CUDA tensors then use the kernels)."""

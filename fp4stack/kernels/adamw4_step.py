@@ -13,12 +13,12 @@ import ctypes
 import struct
 
 import torch
-import triton
 from torch import Tensor
 
 from ..formats.random import lowbias32_int
 from ..formats.tensor import BLOCK
 from . import adamw4 as kern
+from . import cdiv
 from .nvfp4 import _launch_options
 
 # Pinned host buffers of the per-step scalars, used in turn (StepPlan.set_scalars).
@@ -61,9 +61,9 @@ class StepPlan:
                     or not all(t.is_contiguous() for t in tensors)):
                 raise ValueError("the fused AdamW4 step needs contiguous 16-byte aligned tensors "
                                  "of fewer than 2**31 elements")
-            col_tiles = [triton.cdiv(k // BLOCK, kb) for _, kb in tiles]
-            n = [triton.cdiv(r, bm) * c for (bm, _), c in zip(tiles, col_tiles, strict=True)]
-            n.append(triton.cdiv(r + k, kern.LINE))
+            col_tiles = [cdiv(k // BLOCK, kb) for _, kb in tiles]
+            n = [cdiv(r, bm) * c for (bm, _), c in zip(tiles, col_tiles, strict=True)]
+            n.append(cdiv(r + k, kern.LINE))
             for e, (bm, kb) in enumerate(tiles):
                 even[e] &= r % bm == 0 and (k // BLOCK) % kb == 0
             table.append([*ptrs, r, k, scratch, index, starts[2],

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
 from .attention_units import INV_RANGE, quantize_operands, unit_values
 from .nvfp4 import _launch_options
 
@@ -271,7 +272,7 @@ def forward_units(qu, ku, vu, amax, causal: bool, scale: float, tile: Tile):
     lse = torch.empty((B, H, S), dtype=torch.float32, device=qu.device)
     mma_ty, precision = mma_type(qu.dtype)
     if S and L:
-        attention_fwd_kernel[(triton.cdiv(S, tile.block_m), B * H)](
+        attention_fwd_kernel[(cdiv(S, tile.block_m), B * H)](
             qu, ku, vu, out, lse, amax, S, L, H // ku.shape[1], scale, D=D, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, CAUSAL=causal, MMA_TY=mma_ty, PRECISION=precision,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **_launch_options())

@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
 from . import nvfp4_jit as jit
 from .attention import (
     Tile,
@@ -346,7 +347,7 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     out = out.contiguous()
     if quant_ds or delta_dp:  # delta and the global amax of dS, before any dS is quantized
         t = tiles["amax"]
-        grid = (triton.cdiv(S, t.block_m), B * H)
+        grid = (cdiv(S, t.block_m), B * H)
         partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
         amax4 = torch.cat([amax, amax[:1]])  # slot 3 (dS) unused by the amax pass
         query_kernel[grid](qu, ku, k_dq, vu, do, out, lse, delta, amax4, partial, partial,
@@ -356,21 +357,21 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
         ds_amax = partial.amax() if quant_ds else None
         amax4 = torch.cat([amax, ds_amax.reshape(1)]) if quant_ds else amax4
     else:  # slot 3 is never read
-        delta_kernel[(triton.cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
+        delta_kernel[(cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
                                                      **opts)
         ds_amax, amax4 = None, torch.cat([amax, amax[:1]])
     dbg = torch.full((4, B, H, S, L), float("nan"), device=dev) if debug else amax4
     dq_acc = torch.zeros((B, H, S, D), dtype=torch.float32, device=dev) if not deterministic \
         else amax4
     t = tiles["dkdv"]
-    dkdv_kernel[(triton.cdiv(L, t.block_n), B * Hkv)](
+    dkdv_kernel[(cdiv(L, t.block_n), B * Hkv)](
         qu, ku, q_dk, k_dq, vu, do, lse, delta, amax4, dk, dv, dq_acc, dbg, B * H, S, L, G,
         scale, BLOCK_M=t.block_m, BLOCK_N=t.block_n, ATOMIC_DQ=not deterministic, DEBUG=debug,
         **common, num_warps=t.num_warps, num_stages=t.num_stages)
     if deterministic:
         dq = torch.empty_like(qu)
         t = tiles["dq"]
-        query_kernel[(triton.cdiv(S, t.block_m), B * H)](
+        query_kernel[(cdiv(S, t.block_m), B * H)](
             qu, ku, k_dq, vu, do, out, lse, delta, amax4, amax4, dq, dbg, B * H, S, L, G, scale,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, DQ=True, DEBUG=debug, **common,
             num_warps=t.num_warps, num_stages=t.num_stages)

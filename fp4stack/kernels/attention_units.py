@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ..formats.random import seed_keys
 from ..formats.spec import QuantSpec
+from . import cdiv
 from . import nvfp4_jit as jit
 from .nvfp4 import _int32, _launch_options
 
@@ -111,7 +112,7 @@ def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile,
     B, H, N, D = t.shape
     k1, k2 = (0, 0) if seed is None else seed_keys(seed)
     if N:
-        quantize_units_kernel[(triton.cdiv(N, tile.block_m), B * H)](
+        quantize_units_kernel[(cdiv(N, tile.block_m), B * H)](
             t, u, amax, H, N, *t.stride(), _int32(k1), _int32(k2), D=D, BLOCK=tile.block_m,
             AXIS=axis, SCALE_MAX=SCALE_MAX, STOCHASTIC=seed is not None,
             num_warps=tile.num_warps, **_launch_options())

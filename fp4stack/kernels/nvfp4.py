@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..formats import nvfp4 as reference
 from ..formats.hadamard import RHT_SIGNS
 from ..formats.random import draw_seed, seed_keys
 from ..formats.spec import QuantSpec
 from ..formats.tensor import BLOCK, NVFP4Tensor, padded_k
+from . import cdiv
 from . import nvfp4_jit as jit
 
 SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
@@ -74,7 +74,7 @@ def _int32(k: int) -> int:
 
 def _grid(x3: torch.Tensor, kp: int, tile: TileConfig) -> tuple[int, int, int]:
     b, m, _ = x3.shape
-    return triton.cdiv(m, tile.block_m), triton.cdiv(kp, tile.block_k), b
+    return cdiv(m, tile.block_m), cdiv(kp, tile.block_k), b
 
 
 def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -183,7 +183,7 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     r = data.shape[0]
     out = torch.empty((r, k), dtype=dtype, device=t.device)
     tile = DEQUANTIZE_TILE
-    grid = (triton.cdiv(r, tile.block_m), triton.cdiv(kp, tile.block_k))
+    grid = (cdiv(r, tile.block_m), cdiv(kp, tile.block_k))
     jit.dequantize_kernel[grid](
         data, scales, t.amax, out, r, k, kp,
         BM=tile.block_m, BK=tile.block_k, SCALE_MAX=t.spec.scale_max,

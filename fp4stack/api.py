@@ -110,18 +110,19 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, spec, amax, seed, name):
-        ctx.hadamard = spec.hadamard
+    def forward(ctx, x, spec, amax, seed, name, dtype):
+        ctx.hadamard, ctx.input_dtype = spec.hadamard, x.dtype
         if spec.format == "fp8":
-            return fake_quantize_fp8(x, spec.fp8_granularity)
-        return _impl(x.device).fake_quantize(x, spec, amax=amax, seed=seed, name=name)
+            return fake_quantize_fp8(x, spec.fp8_granularity).to(dtype or x.dtype)
+        return _impl(x.device).fake_quantize(x, spec, amax=amax, seed=seed, name=name,
+                                             dtype=dtype)
 
     @staticmethod
     def backward(ctx, grad):
         # Straight-through: the quantizer counts as identity; a Hadamard transform does not.
         if ctx.hadamard:
-            grad = rht_inverse(grad).to(grad.dtype)
-        return grad, None, None, None, None
+            grad = rht_inverse(grad)
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def fake_quantize(
@@ -136,10 +137,13 @@ def fake_quantize(
     nan_policy: str = "raise",
     spec: QuantSpec | None = None,
     name: str = "input",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`dequantize(quantize(x, ...), x.dtype)` bit for bit, with a straight-through gradient.
+    """`dequantize(quantize(x, ...), dtype)` bit for bit, with a straight-through gradient.
 
-    A `spec` of format "fp8" gives the FP8 baseline's values; "none" returns `x` itself.
+    `dtype` defaults to x's; another one (an fp32 master weight quantized for a bf16 GEMM) is
+    the same as casting the result, one rounding of the float32 values, without the extra pass.
+    A `spec` of format "fp8" gives the FP8 baseline's values; "none" returns `x` (cast to dtype).
     """
     _check_tensor(x, name)
     spec = make_spec(
@@ -147,5 +151,5 @@ def fake_quantize(
         four_over_six=four_over_six, nan_policy=nan_policy,
     )
     if spec.format == "none":
-        return x
-    return _FakeQuantize.apply(x, spec, amax, seed, name)
+        return x if dtype is None else x.to(dtype)
+    return _FakeQuantize.apply(x, spec, amax, seed, name, dtype)

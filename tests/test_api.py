@@ -55,3 +55,21 @@ def test_fake_quantize_gradient_flows_to_the_input():
     x = torch.randn(4, 32, requires_grad=True)
     fp4stack.fake_quantize(x, rounding="stochastic", seed=0).sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("spec", [fp4stack.QuantSpec(), fp4stack.QuantSpec(hadamard=True),
+                                  fp4stack.QuantSpec.fp8(),
+                                  fp4stack.QuantSpec(format="none")])
+def test_fake_quantize_into_another_dtype_is_the_cast_result(spec):
+    # dtype= is one rounding of the result, and the straight-through gradient comes back in
+    # the input's dtype (float32 master weights quantized for a bf16 GEMM).
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 64, generator=g) * 3).requires_grad_()
+    y = fp4stack.fake_quantize(x, spec=spec, dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, fp4stack.fake_quantize(x.detach(), spec=spec).to(torch.bfloat16))
+    dy = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    want = x.detach().clone().requires_grad_()
+    fp4stack.fake_quantize(want, spec=spec).to(torch.bfloat16).backward(dy)
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, want.grad)

@@ -86,6 +86,25 @@ def test_k_not_multiple_of_16_and_given_amax(name):
     check_all_paths(x, SPECS[name], seed=5, amax=float(x.abs().max()) * 3)
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                    (torch.bfloat16, torch.float32)])
+def test_fake_quantize_into_another_dtype(name, dtypes):
+    # One rounding of the float32 values to the output dtype, the reference's cast; from a
+    # float32 input that is the same as fake-quantizing in float32 and casting after.
+    x_dtype, out_dtype = dtypes
+    x = wide_range(24, 48, x_dtype, seed=len(name)).to(DEVICE)
+    want = reference.fake_quantize(x.cpu(), SPECS[name], seed=3, dtype=out_dtype)
+    got = kernels.fake_quantize(x, SPECS[name], seed=3, dtype=out_dtype)
+    assert got.dtype == out_dtype and same_values(got, want)
+    if x_dtype == torch.float32:
+        assert same_values(want, reference.fake_quantize(x.cpu(), SPECS[name], seed=3)
+                           .to(out_dtype))
+    q = reference.quantize(x.cpu(), SPECS[name], seed=3)
+    assert same_values(kernels.dequantize(q.to(x.device), out_dtype),
+                       reference.dequantize(q, out_dtype))
+
+
 def test_tie_points_exact():
     # amax = 2688 makes S_enc = 1, and a power-of-two block scale s gives exact x / s, so every
     # element lands exactly on an E2M1 rounding tie (or one float32 ulp beside it).
@@ -160,6 +179,29 @@ def test_hadamard_overflow_of_finite_values(name):
     y = reference.dequantize(reference.quantize(x, spec, amax=1e38, seed=1))
     nan_blocks = torch.isnan(y).reshape(8, 2, 16).all(-1)
     assert nan_blocks[2, 0] and nan_blocks[5, 1] and nan_blocks.sum() == 2
+
+
+@triton.jit
+def _cast_rne_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, jit.cast_rne(tl.load(x_ptr + i), out_ptr))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cast_rne_is_torchs_cast(dtype):
+    # Ties to even in both directions, a carry into the exponent, the largest finite values
+    # (bfloat16 rounds FLT_MAX to inf), subnormals of both formats, signed zeros, inf and NaN,
+    # then random values over float32's whole range.
+    one = 1.0 + torch.tensor([2**-8, 3 * 2**-8, 2**-9, 3 * 2**-9, 2**-9 + 2**-20, 2**-7 - 2**-20])
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 9.2e-41, 6e-8, 3e-5, 65504.0, 65520.0,
+                            3.3895e38, 3.4028234e38, float("inf"), float("-inf"), float("nan")])
+    g = torch.Generator().manual_seed(1)
+    rand = torch.randn(4096, generator=g) * torch.logspace(-44, 38, 4096)
+    x = torch.cat([one, -one, special, torch.nextafter(2 - one, one), rand])
+    x = torch.nn.functional.pad(x, (0, 8192 - x.numel()))
+    out = torch.empty(8192, dtype=dtype, device=DEVICE)
+    _cast_rne_kernel[(1,)](x.to(DEVICE), out, N=8192)
+    assert same_values(out, x.to(dtype))
 
 
 @triton.jit

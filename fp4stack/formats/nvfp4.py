@@ -247,6 +247,7 @@ def fake_quantize(
     amax: float | torch.Tensor | None = None,
     seed: int | None = None,
     name: str = "input",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """dequantize(quantize(x), x.dtype): the values a GEMM on NVFP4 operands would see."""
-    return dequantize(quantize(x, spec, amax=amax, seed=seed, name=name), x.dtype)
+    """dequantize(quantize(x), dtype or x.dtype): the values a GEMM on NVFP4 operands would see."""
+    return dequantize(quantize(x, spec, amax=amax, seed=seed, name=name), dtype or x.dtype)

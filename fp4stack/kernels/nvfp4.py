@@ -90,7 +90,8 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return partial.amax()
 
 
-def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
+def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
+         out_dtype: torch.dtype | None = None):
     reference.check_input(x, spec, name)
     x3 = _as_3d(x, spec)
     b, m, k = x3.shape
@@ -114,7 +115,8 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool):
     grid = _grid(x3, kp, tile)
     dev = x.device
     if fake:
-        out = torch.empty((b, m, k), dtype=x.dtype, device=dev)
+        # The kernel rounds its float32 values to out_dtype once, as the reference's cast does.
+        out = torch.empty((b, m, k), dtype=out_dtype, device=dev)
         data = scales = out  # not written when FAKE
     else:
         data = torch.empty((b, m, kp // 2), dtype=torch.uint8, device=dev)
@@ -165,11 +167,12 @@ def fake_quantize(
     amax: float | torch.Tensor | None = None,
     seed: int | None = None,
     name: str = "input",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Fused quantize -> dequantize in one pass; bit-exact with the reference's fake_quantize."""
     if x.numel() == 0:
-        return reference.fake_quantize(x, spec, amax=amax, seed=seed, name=name)
-    return _run(x, spec, amax, seed, name, fake=True)
+        return reference.fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype)
+    return _run(x, spec, amax, seed, name, fake=True, out_dtype=dtype or x.dtype)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

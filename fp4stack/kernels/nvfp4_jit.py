@@ -34,6 +34,21 @@ def abs_max(x, axis):
 
 
 @triton.jit
+def cast_rne(v, ptr):
+    """float32 v in ptr's element type, rounded to nearest even as torch's cast rounds. To
+    bfloat16 by integer arithmetic on the bits: the Triton interpreter's bfloat16 cast rounds
+    half up without carrying, so the CPU tests could not check the GPU's cast otherwise."""
+    ty: tl.constexpr = ptr.dtype.element_ty
+    if ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)  # NaN stays NaN (the carry could clear it)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(ty)
+
+
+@triton.jit
 def min_nan(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -376,9 +391,8 @@ def quantize_kernel(
         dec = amax * (1.0 / (SCALE_MAX * 6.0))
         s = e4m3_value(sbits)[:, :, None]
         col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + row_off * K + col_lo, (val_lo * s * dec).to(out_ty), mask=mask_lo)
-        tl.store(out_ptr + row_off * K + col_lo + 8, (val_hi * s * dec).to(out_ty),
+        tl.store(out_ptr + row_off * K + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo)
+        tl.store(out_ptr + row_off * K + col_lo + 8, cast_rne(val_hi * s * dec, out_ptr),
                  mask=mask_hi)
     else:
         row_ok = (rows < M)[:, None, None]
@@ -422,5 +436,5 @@ def dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, K, KP,
     xh = e2m1_value(codes) * e4m3_value(sbits.to(tl.int32))[:, :, None] * dec
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows < R)[:, None] & (cols < K)[None, :]
-    out = tl.reshape(xh, (BM, BK)).to(out_ptr.dtype.element_ty)
+    out = cast_rne(tl.reshape(xh, (BM, BK)), out_ptr)
     tl.store(out_ptr + row_off * K + cols[None, :], out, mask=mask)

@@ -24,22 +24,22 @@ _BLOCK = 16
 
 
 def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
-                     columnwise: bool = False) -> torch.Tensor:
-    """`t`'s values after quantization by `spec` along its last dim, in t's dtype.
+                     columnwise: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t`'s values after quantization by `spec` along its last dim, in `dtype` (default t's).
 
     columnwise=True quantizes along dim 0 instead (for backward GEMMs) and returns [T', C] with
     the token dim zero-padded to whole blocks when the spec uses the Hadamard transform (zeros add
     nothing to a product; the transformed domain is kept, as both wgrad operands carry it).
     """
     if spec is None or spec.format == "none":
-        return t
+        return t if dtype is None else t.to(dtype)
     if not columnwise:
-        return fake_quantize(t, spec=spec, amax=amax)
+        return fake_quantize(t, spec=spec, amax=amax, dtype=dtype)
     tt = t.t()
     pad = -tt.shape[-1] % _BLOCK if spec.hadamard else 0
     if pad:
         tt = F.pad(tt, (0, pad))
-    return fake_quantize(tt.contiguous(), spec=spec, amax=amax).t()
+    return fake_quantize(tt.contiguous(), spec=spec, amax=amax, dtype=dtype).t()
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -60,19 +60,20 @@ class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, packed_w, recipe: Recipe, x_amax, w_amax):
         dtype = _compute_dtype(x)
-        qw = packed_w if packed_w is not None else quantize_operand(weight, recipe.w, w_amax)
-        qw = qw.to(dtype)
-        qx = quantize_operand(x, recipe.x, x_amax).to(dtype)
+        # Quantized in their own dtype, rounded once to the compute dtype inside the kernel.
+        qw = (packed_w.to(dtype) if packed_w is not None
+              else quantize_operand(weight, recipe.w, w_amax, dtype=dtype))
+        qx = quantize_operand(x, recipe.x, x_amax, dtype=dtype)
         y = qx @ qw.t()
         if bias is not None:
             y = y + bias.to(dtype)
         weight_grad = weight is not None and ctx.needs_input_grad[1]
         wd = qw if recipe.w_dgrad is None else quantize_operand(weight, recipe.w_dgrad,
-                                                                columnwise=True).to(dtype)
+                                                                columnwise=True, dtype=dtype)
         xw = None
         if weight_grad:
             xw = qx if recipe.x_wgrad is None else quantize_operand(x, recipe.x_wgrad,
-                                                                   columnwise=True).to(dtype)
+                                                                   columnwise=True, dtype=dtype)
         ctx.recipe, ctx.has_bias, ctx.weight_grad = recipe, bias is not None, weight_grad
         ctx.save_for_backward(wd, xw)
         return y

@@ -6,7 +6,7 @@ the pace. This times each layer of the fake-quantize path on a tensor so small t
 take a few microseconds, so that N calls issued back to back, then one synchronize, measure the
 host's cost per call: a plain torch op for scale, the global amax, one quantize launch with the
 amax given, the whole `kernels.fake_quantize`, the public autograd `fp4stack.fake_quantize`,
-and a linear's weight operand as `_QuantLinearFn` makes it (fake-quantized fp32, cast to bf16).
+and a linear's weight operand as `_QuantLinearFn` makes it (fp32 quantized into bf16).
 
     python benchmarks/bench_launch_overhead.py [--calls 2000] [--rows 64] [--out overhead.json]
 
@@ -65,7 +65,7 @@ def cases(spec: QuantSpec, rows: int, device: torch.device) -> dict[str, Callabl
         "fake_quantize, amax given": lambda: impl.fake_quantize(x, spec, amax=amax),
         "fake_quantize": lambda: impl.fake_quantize(x, spec),
         "fp4stack.fake_quantize (autograd)": lambda: fp4stack.fake_quantize(x, spec=spec),
-        "weight operand: fp32 -> bf16": lambda: quantize_operand(w, spec).to(torch.bfloat16),
+        "weight operand: fp32 -> bf16": lambda: quantize_operand(w, spec, dtype=torch.bfloat16),
     }
     if backend_for(device) == "triton":
         from fp4stack.kernels import nvfp4 as kern

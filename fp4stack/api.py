@@ -51,12 +51,22 @@ def _check_tensor(x, name: str) -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
 
 
+_DEFAULT_SPEC = QuantSpec()
+
+
 def make_spec(spec: QuantSpec | None, **options) -> QuantSpec:
     """`spec` if given (then no other option may be set), else a QuantSpec from `options`."""
     if spec is None:
         return QuantSpec(**options)
-    if QuantSpec(**options) != QuantSpec():
-        raise ValueError("pass either spec= or the individual options (block=, rounding=, ...)")
+    # Compared field by field: building a QuantSpec to compare costs more than the quantizer's
+    # own host code, and the layers call this with spec= for every operand.
+    for key, value in options.items():
+        default = getattr(_DEFAULT_SPEC, key)
+        if (tuple(value) if key == "block" else value) != default:
+            raise ValueError(
+                f"pass either spec= or the individual options (block=, rounding=, ...), not "
+                f"both: got spec= and {key}={value!r}"
+            )
     return spec
 
 
@@ -108,14 +118,17 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return _impl(t.device).dequantize(t, dtype)
 
 
+def _fake_quantize_values(x, spec, amax, seed, name, dtype):
+    if spec.format == "fp8":
+        return fake_quantize_fp8(x, spec.fp8_granularity).to(dtype or x.dtype)
+    return _impl(x.device).fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype)
+
+
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, amax, seed, name, dtype):
         ctx.hadamard, ctx.input_dtype = spec.hadamard, x.dtype
-        if spec.format == "fp8":
-            return fake_quantize_fp8(x, spec.fp8_granularity).to(dtype or x.dtype)
-        return _impl(x.device).fake_quantize(x, spec, amax=amax, seed=seed, name=name,
-                                             dtype=dtype)
+        return _fake_quantize_values(x, spec, amax, seed, name, dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -152,4 +165,8 @@ def fake_quantize(
     )
     if spec.format == "none":
         return x if dtype is None else x.to(dtype)
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        # No graph to record (the linears quantize inside their own autograd function):
+        # skipping Function.apply saves its host time on every operand.
+        return _fake_quantize_values(x, spec, amax, seed, name, dtype)
     return _FakeQuantize.apply(x, spec, amax, seed, name, dtype)

@@ -73,3 +73,26 @@ def test_fake_quantize_into_another_dtype_is_the_cast_result(spec):
     want = x.detach().clone().requires_grad_()
     fp4stack.fake_quantize(want, spec=spec).to(torch.bfloat16).backward(dy)
     assert x.grad.dtype == torch.float32 and torch.equal(x.grad, want.grad)
+
+
+def test_spec_and_individual_options_do_not_mix():
+    spec = fp4stack.QuantSpec(block=(16, 16))
+    x = torch.randn(16, 32)
+    # Options left at their defaults (a block given as a list too) are not a conflict.
+    same = fp4stack.fake_quantize(x, spec=spec, block=[1, 16], rounding="rne")
+    assert torch.equal(same, fp4stack.fake_quantize(x, spec=spec))
+    with pytest.raises(ValueError, match="got spec= and rounding='stochastic'"):
+        fp4stack.fake_quantize(x, spec=spec, rounding="stochastic")
+    with pytest.raises(ValueError, match="got spec= and hadamard=True"):
+        fp4stack.quantize(x, spec=spec, hadamard=True)
+
+
+def test_fake_quantize_records_a_graph_only_when_a_gradient_is_wanted():
+    x = torch.randn(4, 32)
+    plain = fp4stack.fake_quantize(x)
+    assert plain.grad_fn is None
+    w = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert fp4stack.fake_quantize(w).grad_fn is None
+    tracked = fp4stack.fake_quantize(w)
+    assert tracked.grad_fn is not None and torch.equal(tracked.detach(), plain)

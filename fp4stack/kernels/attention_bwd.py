@@ -357,8 +357,7 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
         ds_amax = partial.amax() if quant_ds else None
         amax4 = torch.cat([amax, ds_amax.reshape(1)]) if quant_ds else amax4
     else:  # slot 3 is never read
-        delta_kernel[(cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64,
-                                                     **opts)
+        delta_kernel[(cdiv(B * H * S, 64),)](out, do, delta, B * H * S, D=D, BLOCK=64, **opts)
         ds_amax, amax4 = None, torch.cat([amax, amax[:1]])
     dbg = torch.full((4, B, H, S, L), float("nan"), device=dev) if debug else amax4
     dq_acc = torch.zeros((B, H, S, D), dtype=torch.float32, device=dev) if not deterministic \

@@ -116,7 +116,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
     dev = x.device
     if fake:
         # The kernel rounds its float32 values to out_dtype once, as the reference's cast does.
-        out = torch.empty((b, m, k), dtype=out_dtype, device=dev)
+        out = torch.empty((b, m, k), dtype=out_dtype or x.dtype, device=dev)
         data = scales = out  # not written when FAKE
     else:
         data = torch.empty((b, m, kp // 2), dtype=torch.uint8, device=dev)
@@ -172,7 +172,7 @@ def fake_quantize(
     """Fused quantize -> dequantize in one pass; bit-exact with the reference's fake_quantize."""
     if x.numel() == 0:
         return reference.fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype)
-    return _run(x, spec, amax, seed, name, fake=True, out_dtype=dtype or x.dtype)
+    return _run(x, spec, amax, seed, name, fake=True, out_dtype=dtype)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

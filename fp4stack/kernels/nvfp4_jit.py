@@ -3,7 +3,8 @@
 Each function mirrors a step of fp4stack/formats/nvfp4.py in float32. Where the reference leans
 on a torch op whose GPU equivalent differs, this file spells the maths out:
 - E4M3 rounding is integer arithmetic on the float32 bits (the Triton interpreter's fp8 cast is
-  wrong for some values, and a cast has no NaN guarantee);
+  wrong for some values, and a cast has no NaN guarantee), and so is the rounding to bfloat16
+  of the outputs (`cast_rne`);
 - divisions are `div_rn` (Triton's `/` is approximate on NVIDIA GPUs);
 - max and min propagate NaN the way torch.amax and torch.clamp do;
 - kernels are launched with fp fusion off, so no multiply-add is contracted into an FMA.

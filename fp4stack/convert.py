@@ -190,3 +190,39 @@ def calibrate(model: nn.Module, batches, forward=None) -> int:
     for m in layers:
         m.finish_calibration()
     return n
+
+
+def high_precision_recipe(recipe: Recipe) -> Recipe:
+    """`recipe` with every GEMM operand unquantized and FP4 attention off: what a layer runs after
+    a precision switch. A trained low-rank branch stays (it is part of the function the model
+    learned); a refitted one, which only approximates W - Q(W), goes with the quantization."""
+    lowrank = recipe.lowrank if recipe.lowrank is not None and recipe.lowrank.trainable else None
+    none = Recipe(recipe.name)  # a recipe's defaults quantize nothing
+    return recipe.with_(name=f"{recipe.name}+bf16", x=none.x, w=none.w, dy=none.dy,
+                        w_dgrad=None, x_wgrad=None, dy_wgrad=none.dy_wgrad, compensation=None,
+                        lowrank=lowrank, attention=None, activation_amax="dynamic")
+
+
+def to_high_precision(model: nn.Module) -> int:
+    """Switch a quantized model's GEMMs and attention to high precision, in place (NVIDIA's
+    NVFP4 recipe runs the last part of pretraining so); returns the modules switched.
+
+    Weights stay where they are: a switched layer computes with its master weight. Packed
+    layers have none, so they raise ValueError. Optimizer states keep their format."""
+    from .models.gpt import Attention
+
+    quantized = (QuantLinear, QuantExperts, QuantHFExperts)
+    for name, module in model.named_modules():  # all checked before anything changes
+        if isinstance(module, quantized) and module.recipe.weight_storage == "packed":
+            raise ValueError(f"{name}: packed NVFP4 weights keep no master weight to compute in "
+                             "high precision with; use weight_storage='master'")
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, quantized):
+            if module.recipe.quantizes or module.recipe.lowrank is not None:
+                module.recipe = high_precision_recipe(module.recipe)
+                switched += 1
+        elif isinstance(module, Attention) and "attend" in vars(module):
+            del module.attend  # back to the class's scaled_dot_product_attention
+            switched += 1
+    return switched

@@ -166,3 +166,60 @@ def test_fullstack_recipe_swaps_attention_outside_the_kept_blocks():
     # Only the attention differs between this and the same recipe without FP4 attention.
     fp4stack.quantize_model(plain, recipe.with_(attention=None))
     assert not torch.equal(plain(x)[0], logits)
+
+
+@pytest.mark.parametrize("recipe", [
+    "fullstack", "nvfp4-nvidia", fp4stack.recipe("w4a4-rc").with_(weight_storage="master")],
+    ids=["fullstack", "nvfp4-nvidia", "w4a4-rc-master"])
+def test_to_high_precision_computes_what_the_unquantized_model_does(recipe):
+    from fp4stack.convert import to_high_precision
+    from fp4stack.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layers=3))
+    plain = GPT(GPTConfig.tiny(n_layers=3))
+    plain.load_state_dict(model.state_dict())
+    summary = fp4stack.quantize_model(model, recipe)
+    x = torch.randint(0, 256, (2, 32))
+    assert not torch.equal(model(x, x)[1], plain(x, x)[1])
+    assert to_high_precision(model) == len(summary.converted)
+    logits, loss = model(x, x)
+    ref_logits, ref_loss = plain(x, x)
+    assert torch.equal(logits, ref_logits)
+    loss.backward()
+    ref_loss.backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        if name in grads:  # the low-rank factors are buffers; every parameter has a twin
+            assert torch.equal(p.grad, grads[name].grad), name
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            assert not m.recipe.quantizes and m.recipe.lowrank is None
+            assert m.recipe.name == f"{fp4stack.recipe(recipe).name}+bf16"
+    assert to_high_precision(model) == 0  # a second switch finds nothing left to switch
+
+
+def test_to_high_precision_keeps_a_trained_lowrank_branch_and_refuses_packed_weights():
+    from fp4stack.convert import to_high_precision
+    from fp4stack.nn.recipe import LowRank
+
+    model = hf_model("llama")
+    fp4stack.quantize_model(model, fp4stack.recipe("lowrank").with_(
+        lowrank=LowRank(rank=4, trainable=True)))
+    to_high_precision(model)
+    q = model.model.layers[0].self_attn.q_proj
+    assert not q.recipe.quantizes and q.recipe.lowrank == LowRank(rank=4, trainable=True)
+    x = torch.randn(3, q.in_features)
+    branch = (x @ q.lowrank_a.t()) @ q.lowrank_b.t()
+    torch.testing.assert_close(q(x), torch.nn.functional.linear(x, q.weight) + branch,
+                               rtol=0, atol=0)
+
+    # One packed layer late in the model: the error comes before any earlier layer switches.
+    mixed = hf_model("llama")
+    fp4stack.quantize_model(mixed, "nvfp4")
+    mixed.model.layers[2].mlp.down_proj = QuantLinear.from_linear(
+        torch.nn.Linear(128, 64, bias=False), "w4a4")
+    recipes = [m.recipe for m in mixed.modules() if isinstance(m, QuantLinear)]
+    with pytest.raises(ValueError, match="down_proj: packed NVFP4 weights keep no master"):
+        to_high_precision(mixed)
+    assert [m.recipe for m in mixed.modules() if isinstance(m, QuantLinear)] == recipes

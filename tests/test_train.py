@@ -178,6 +178,27 @@ def test_resume_is_bit_exact(data, tmp_path, moe):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_high_precision_tail_switches_once_and_resumes_exactly(data, tmp_path):
+    # fullstack: NVFP4 linears, a refitted low-rank branch, FP4 attention, AdamW4. Half of the
+    # 8-step schedule runs in BF16 from step 5; a run stopped after the switch and resumed must
+    # switch again and match the uninterrupted run bit for bit, and before the switch a run
+    # without it is the same run.
+    kw = dict(recipe="fullstack", high_precision_tail=0.5)
+    assert config(data, tmp_path, **kw).switch_step == 4
+    assert config(data, tmp_path, max_steps=5, lr_decay_steps=8, **kw).switch_step == 4
+    full = train(config(data, tmp_path / "full", **kw))
+    train(config(data, tmp_path / "split", max_steps=5, lr_decay_steps=8, **kw))
+    train(config(data, tmp_path / "split", **kw), resume=True)
+    plain = train(config(data, tmp_path / "plain", recipe="fullstack"))
+    a, b, c = (read_metrics(tmp_path / d) for d in ("full", "split", "plain"))
+    assert [r.get("high_precision", False) for r in a] == [False] * 4 + [True] * 4
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["loss"] for r in a[:4]] == [r["loss"] for r in c[:4]]
+    assert all(ra["loss"] != rc["loss"] for ra, rc in zip(a[4:], c[4:], strict=True))
+    assert full["switch_step"] == 4 and plain["switch_step"] is None
+    assert full["final_val_loss"] != plain["final_val_loss"]
+
+
 def _torch_modes() -> tuple:
     return (torch.are_deterministic_algorithms_enabled(),
             torch.backends.cuda.cudnn_sdp_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
@@ -356,6 +377,9 @@ def test_nonfinite_steps_stop_training(data, tmp_path, monkeypatch):
     ({"model": {"preset": "tiny", "max_seq_len": 16}}, "max_seq_len 16 is smaller than seq_len"),
     ({"tensorboard": "yes"}, "tensorboard must be true or false"),
     ({"deterministic": 1}, "deterministic must be true or false"),
+    ({"high_precision_tail": 1.0}, r"high_precision_tail .* in \[0, 1\), got 1.0"),
+    ({"high_precision_tail": -0.1}, "high_precision_tail must be >= 0"),
+    ({"high_precision_tail": "20%"}, "high_precision_tail must be a finite number"),
 ])
 def test_config_errors_name_the_field(data, tmp_path, change, match):
     with pytest.raises(ValueError, match=match):

@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-flips", action="store_true", default=None,
                    help="log how often the NVFP4 forward weights flip, and flip back, from step "
                    "to step (weight_flip_rate, weight_return_rate; default: the config's)")
+    p.add_argument("--high-precision-tail", type=float, metavar="FRACTION",
+                   help="run the last FRACTION of the learning-rate schedule (e.g. 0.2) with "
+                   "the GEMMs and attention in BF16, a precision switch (default: the config's, "
+                   "0)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint")
 
@@ -49,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, recipe=recipe, max_steps=args.max_steps,
                           out=args.out, data=args.data, seed=args.seed, device=args.device,
                           distributed=args.distributed, micro_batch_size=args.micro_batch_size,
-                          deterministic=args.deterministic, weight_flips=args.weight_flips)
+                          deterministic=args.deterministic, weight_flips=args.weight_flips,
+                          high_precision_tail=args.high_precision_tail)
         train(cfg, resume=args.resume)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)

@@ -65,6 +65,9 @@ class PretrainConfig:
     tensorboard: bool = True  # also write TensorBoard scalars when tensorboard is installed
     deterministic: bool = False  # bitwise-reproducible runs: no cuDNN attention (train/determinism)
     weight_flips: bool = False  # log how often NVFP4 forward weights flip (analysis/weight_flips)
+    # Fraction of the learning-rate schedule (decay_steps), at its end, whose GEMMs and attention
+    # run in BF16 (a precision switch, fp4stack.convert.to_high_precision); 0: none.
+    high_precision_tail: float = 0.0
 
     def __post_init__(self) -> None:
         self.betas = _betas(self.betas)
@@ -77,6 +80,10 @@ class PretrainConfig:
             _int("lr_decay_steps", self.lr_decay_steps, minimum=1)
         for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "muon_lr"):
             setattr(self, name, _float(name, getattr(self, name)))
+        self.high_precision_tail = _float("high_precision_tail", self.high_precision_tail)
+        if self.high_precision_tail >= 1:
+            raise ValueError(f"high_precision_tail is the fraction of the schedule run in BF16 "
+                             f"at its end, in [0, 1), got {self.high_precision_tail}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -112,6 +119,14 @@ class PretrainConfig:
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
+
+    @property
+    def switch_step(self) -> int | None:
+        """The first step run in high precision (high_precision_tail), or None. Counted on the
+        schedule's length, so a run split by lr_decay_steps switches where the whole run does."""
+        if not self.high_precision_tail:
+            return None
+        return self.decay_steps - round(self.high_precision_tail * self.decay_steps)
 
     @property
     def recipe_name(self) -> str:

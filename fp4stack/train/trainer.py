@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..analysis.weight_flips import WeightFlips
-from ..convert import quantize_model
+from ..convert import quantize_model, to_high_precision
 from ..data.shards import TokenShards
 from ..models.gpt import GPT
 from ..nn.linear import QuantLinear
@@ -278,8 +278,17 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
     ddp = env.distributed and cfg.distributed == "ddp"
     train_s, interval_s, interval_tokens = 0.0, 0.0, 0
     loss_value = val_loss = math.nan
+    switched = False
     try:
         for step in range(start_step, cfg.max_steps):
+            if cfg.switch_step is not None and step >= cfg.switch_step and not switched:
+                switched = True
+                n = to_high_precision(gpt)
+                say(f"after step {step}: precision switch: {n} quantized modules compute in BF16 "
+                    f"from step {step + 1} on (high_precision_tail {cfg.high_precision_tail})")
+                if flips is not None:
+                    say("weight_flips: no NVFP4 weights after the switch; no longer logged")
+                    flips = None
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps)
             set_lr(optimizer, lr)
@@ -314,6 +323,8 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
                 "step": done, "tokens": done * tokens_per_step, "loss": loss_value, "lr": lr,
                 "grad_norm": norm_value, "tokens_per_s": interval_tokens / interval_s,
             }
+            if switched:
+                record["high_precision"] = True
             if reason is not None:
                 record.update(skipped=True, reason=reason)
                 say(f"step {done}: {reason} (loss {loss_value}, grad norm {norm_value}): optimizer "
@@ -360,6 +371,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
         "tokens_per_s": steps_run * tokens_per_step / train_s if train_s else math.nan,
         "train_s": train_s, "wall_s": time.perf_counter() - wall_start,
         "nan_skips": skips_total, "params": n_params, "optimizer": optimizer_name,
+        "switch_step": cfg.switch_step,
         "world_size": env.world_size,
         "device": str(device), "out": str(out),
     }

@@ -9,6 +9,8 @@ engines that fuse them require.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,7 @@ from .nn.quant_experts import QuantExperts, QuantHFExperts, is_hf_fused_experts
 from .nn.recipe import Recipe
 from .nn.recipe import recipe as get_recipe
 
+_QUANTIZED = (QuantLinear, QuantExperts, QuantHFExperts)
 DEFAULT_SKIP = ("lm_head", "embed", "router", "wte", "wpe")
 # Sibling projections that an inference engine fuses into one GEMM, so they share a global amax.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -211,14 +214,13 @@ def to_high_precision(model: nn.Module) -> int:
     layers have none, so they raise ValueError. Optimizer states keep their format."""
     from .models.gpt import Attention
 
-    quantized = (QuantLinear, QuantExperts, QuantHFExperts)
     for name, module in model.named_modules():  # all checked before anything changes
-        if isinstance(module, quantized) and module.recipe.weight_storage == "packed":
+        if isinstance(module, _QUANTIZED) and module.recipe.weight_storage == "packed":
             raise ValueError(f"{name}: packed NVFP4 weights keep no master weight to compute in "
                              "high precision with; use weight_storage='master'")
     switched = 0
     for module in model.modules():
-        if isinstance(module, quantized):
+        if isinstance(module, _QUANTIZED):
             if module.recipe.quantizes or module.recipe.lowrank is not None:
                 module.recipe = high_precision_recipe(module.recipe)
                 switched += 1
@@ -226,3 +228,23 @@ def to_high_precision(model: nn.Module) -> int:
             del module.attend  # back to the class's scaled_dot_product_attention
             switched += 1
     return switched
+
+
+@contextmanager
+def high_precision(model: nn.Module) -> Iterator[int]:
+    """Within the block `model` computes as to_high_precision makes it (yields the modules
+    switched); on leaving, every recipe and attention comes back. Buffers and parameters are
+    never touched, so what the model computes afterwards is what it computed before."""
+    from .models.gpt import Attention
+
+    recipes = [(m, m.recipe) for m in model.modules() if isinstance(m, _QUANTIZED)]
+    attends = [(m, m.attend) for m in model.modules()
+               if isinstance(m, Attention) and "attend" in vars(m)]
+    switched = to_high_precision(model)
+    try:
+        yield switched
+    finally:
+        for m, r in recipes:
+            m.recipe = r
+        for m, attend in attends:
+            m.attend = attend

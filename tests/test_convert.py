@@ -223,3 +223,26 @@ def test_to_high_precision_keeps_a_trained_lowrank_branch_and_refuses_packed_wei
     with pytest.raises(ValueError, match="down_proj: packed NVFP4 weights keep no master"):
         to_high_precision(mixed)
     assert [m.recipe for m in mixed.modules() if isinstance(m, QuantLinear)] == recipes
+
+
+@pytest.mark.parametrize("recipe", ["fullstack", "lowrank"])
+def test_high_precision_switches_for_the_block_only(recipe):
+    from fp4stack.convert import high_precision
+    from fp4stack.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layers=3))
+    plain = GPT(GPTConfig.tiny(n_layers=3))
+    plain.load_state_dict(model.state_dict())
+    fp4stack.quantize_model(model, recipe)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 256, (2, 32))
+    before = model(x)[0]
+    with high_precision(model) as n:
+        assert n > 0
+        assert torch.equal(model(x)[0], plain(x)[0])
+    assert torch.equal(model(x)[0], before)
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    with high_precision(plain) as n:  # nothing to switch in an unquantized model
+        assert n == 0

@@ -197,6 +197,32 @@ def test_high_precision_tail_switches_once_and_resumes_exactly(data, tmp_path):
     assert all(ra["loss"] != rc["loss"] for ra, rc in zip(a[4:], c[4:], strict=True))
     assert full["switch_step"] == 4 and plain["switch_step"] is None
     assert full["final_val_loss"] != plain["final_val_loss"]
+    # At the switch, the step-4 weights are evaluated both ways; a run that never switched has
+    # its final weights evaluated with every quantizer off. A run ending before the switch
+    # holds the step-4 weights: its final values are the switch step's.
+    assert a[3]["val_loss"] == c[3]["val_loss"] != a[3]["val_loss_high_precision"]
+    assert "val_loss_high_precision" not in c[3] and "val_loss_high_precision" in c[-1]
+    assert full["final_val_loss_high_precision"] is None
+    assert plain["final_val_loss_high_precision"] == c[-1]["val_loss_high_precision"]
+    short = train(config(data, tmp_path / "short", max_steps=4, lr_decay_steps=8, **kw))
+    assert short["final_val_loss"] == a[3]["val_loss"]
+    assert short["final_val_loss_high_precision"] == a[3]["val_loss_high_precision"]
+
+
+def test_final_weights_are_evaluated_with_every_quantizer_off(data, tmp_path):
+    # The value the trainer reports is the val loss of an unquantized GPT holding the final
+    # weights (the low-rank factors are buffers a plain GPT does not have).
+    cfg = config(data, tmp_path / "run", recipe="fullstack", max_steps=4)
+    result = train(cfg)
+    weights = load_file(str(latest_checkpoint(tmp_path / "run") / "model.safetensors"))
+    plain = GPT(cfg.model_config(VOCAB))
+    plain.load_state_dict({k: v for k, v in weights.items() if k in plain.state_dict()})
+    env = trainer_mod.distributed.setup("cpu")
+    chunks = trainer_mod.val_chunks(trainer_mod.open_data(cfg)[1], cfg, env)
+    expected = trainer_mod.evaluate(plain, chunks, env, trainer_mod.nullcontext())
+    assert result["final_val_loss_high_precision"] == expected != result["final_val_loss"]
+    assert train(config(data, tmp_path / "bf16", max_steps=4))[
+        "final_val_loss_high_precision"] is None
 
 
 def _torch_modes() -> tuple:
@@ -380,6 +406,7 @@ def test_nonfinite_steps_stop_training(data, tmp_path, monkeypatch):
     ({"high_precision_tail": 1.0}, r"high_precision_tail .* in \[0, 1\), got 1.0"),
     ({"high_precision_tail": -0.1}, "high_precision_tail must be >= 0"),
     ({"high_precision_tail": "20%"}, "high_precision_tail must be a finite number"),
+    ({"high_precision_tail": 0.2, "recipe": "w4a4"}, "high_precision_tail: recipe 'w4a4' packs"),
 ])
 def test_config_errors_name_the_field(data, tmp_path, change, match):
     with pytest.raises(ValueError, match=match):

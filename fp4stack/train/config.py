@@ -94,9 +94,14 @@ class PretrainConfig:
             raise ValueError(f"global_batch_size {self.global_batch_size} must be a multiple of "
                              f"micro_batch_size {self.micro_batch_size}")
         try:
-            quantized_w = get_recipe(self.recipe).w.format == "nvfp4"
+            recipe = get_recipe(self.recipe)
         except ValueError as e:  # a mapping's errors already name their field
             raise ValueError(str(e) if isinstance(self.recipe, dict) else f"recipe: {e}") from e
+        quantized_w = recipe.w.format == "nvfp4"
+        if self.high_precision_tail and recipe.weight_storage == "packed":
+            raise ValueError(f"high_precision_tail: recipe {self.recipe_name!r} packs its weights "
+                             "and keeps no master weight to compute in BF16 with; use a recipe "
+                             "with weight_storage 'master' or set high_precision_tail: 0")
         if self.weight_flips and not quantized_w:
             raise ValueError(f"weight_flips: recipe {self.recipe_name!r} does not quantize its "
                              "weights to NVFP4, so no weight can flip; use an NVFP4 recipe or "

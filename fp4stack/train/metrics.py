@@ -3,8 +3,10 @@
 A record holds: step (optimizer steps done, 1-based), tokens (step x global batch x seq_len),
 loss (this step's training loss, averaged over micro-batches and ranks, MoE aux loss included),
 lr, grad_norm (global, before clipping), tokens_per_s (all ranks, training time only, since the
-previous record); val_loss on evaluation steps (cross-entropy only); skipped: true and reason on
-a step whose optimizer update was skipped.
+previous record); val_loss on evaluation steps (cross-entropy only); val_loss_high_precision at
+the last step and at a precision switch (the same weights, every quantizer off); high_precision:
+true on the steps after a switch; skipped: true and reason on a step whose optimizer update was
+skipped.
 
 metrics.jsonl is the source of truth (plots, tests and comparisons read it); TensorBoard is a
 convenience, skipped with a one-line notice when the package is not installed. On resume, lines
@@ -73,8 +75,8 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v,
-                                       record["step"])
+                    tag = ("val/" + k[4:] if k.startswith("val_loss") else f"train/{k}")
+                    self.tb.add_scalar(tag, v, record["step"])
 
     def close(self) -> None:
         if self.file is not None:

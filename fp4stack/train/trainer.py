@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..analysis.weight_flips import WeightFlips
-from ..convert import quantize_model, to_high_precision
+from ..convert import high_precision, quantize_model, to_high_precision
 from ..data.shards import TokenShards
 from ..models.gpt import GPT
 from ..nn.linear import QuantLinear
@@ -185,7 +185,9 @@ def _print(env: DistEnv, bar, msg: str) -> None:
 
 def train(cfg: PretrainConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run (or with resume=True, continue) the pretraining run of `cfg`; returns a result dict:
-    final_val_loss, final_loss, tokens_per_s, steps, tokens, wall_s, nan_skips, params, out."""
+    final_val_loss, final_val_loss_high_precision (the final weights evaluated with every
+    quantizer off; None for a BF16 recipe or after a precision switch), final_loss,
+    tokens_per_s, steps, tokens, wall_s, nan_skips, params, out."""
     env = distributed.setup(cfg.device)
     try:
         with deterministic_algorithms(cfg.deterministic):
@@ -278,6 +280,10 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
     ddp = env.distributed and cfg.distributed == "ddp"
     train_s, interval_s, interval_tokens = 0.0, 0.0, 0
     loss_value = val_loss = math.nan
+    val_loss_hp = None  # the final weights' val loss with every quantizer off
+    # Packed weights have no master weight to compute in high precision with (config refuses
+    # a tail for them; the final evaluation skips them).
+    can_switch = get_recipe(cfg.recipe).weight_storage == "master"
     switched = False
     try:
         for step in range(start_step, cfg.max_steps):
@@ -330,10 +336,20 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
                 say(f"step {done}: {reason} (loss {loss_value}, grad norm {norm_value}): optimizer "
                     f"step skipped ({skips_row} in a row, max_nan_skips {cfg.max_nan_skips})")
             last = done == cfg.max_steps
-            if done % cfg.eval_every == 0 or last:
+            at_switch = done == cfg.switch_step
+            if done % cfg.eval_every == 0 or last or at_switch:
                 val_loss = evaluate(model, chunks, env, autocast)
                 record["val_loss"] = val_loss
-                say(f"step {done}: val_loss {val_loss:.4f}")
+                msg = f"step {done}: val_loss {val_loss:.4f}"
+                # The same weights with every quantizer off: how much of the loss is the
+                # quantized forward's at evaluation, and what the weights give served in BF16.
+                if (last or at_switch) and not switched and can_switch:
+                    with high_precision(gpt) as n:
+                        if n:
+                            val_loss_hp = evaluate(model, chunks, env, autocast)
+                            record["val_loss_high_precision"] = val_loss_hp
+                            msg += f" ({val_loss_hp:.4f} with every quantizer off)"
+                say(msg)
             if done % cfg.log_every == 0 or last or "val_loss" in record or reason is not None:
                 if flips is not None:
                     record.update(flips.report())
@@ -368,6 +384,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
         "recipe": cfg.recipe_name, "steps": cfg.max_steps, "steps_this_run": steps_run,
         "tokens": cfg.max_steps * tokens_per_step, "final_loss": loss_value,
         "final_val_loss": val_loss,
+        "final_val_loss_high_precision": val_loss_hp if not switched else None,
         "tokens_per_s": steps_run * tokens_per_step / train_s if train_s else math.nan,
         "train_s": train_s, "wall_s": time.perf_counter() - wall_start,
         "nan_skips": skips_total, "params": n_params, "optimizer": optimizer_name,

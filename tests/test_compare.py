@@ -52,13 +52,18 @@ def test_comparison_runs_every_recipe_on_the_same_tokens(setup):
     assert all(np.isfinite(r.val_loss) and r.tokens_per_s > 0 for r in rows)
     # Same seed: the BF16 and NVFP4 runs saw the same tokens at every logged step.
     tok = {r.recipe + str(r.seed): [m["tokens"] for m in read_metrics(r.out)] for r in rows}
+    base = (rows[0].val_loss + rows[2].val_loss) / 2
     assert tok["bf160"] == tok["nvfp40"]
     table = (out / "compare.md").read_text()
     assert "| nvfp4 | 0 |" in table and "noise floor" in table
+    # The NVFP4 run's final weights evaluated with every quantizer off, and their gap.
+    hp = json.loads((Path(rows[1].out) / "result.json").read_text())[
+        "final_val_loss_high_precision"]
+    assert rows[1].val_loss_high_precision == hp and rows[0].val_loss_high_precision is None
+    assert f"| {hp:.4f} ({100 * (hp / base - 1):+.2f}%) |" in table
     assert (out / "compare.png").stat().st_size > 0
     assert len(json.loads((out / "compare.json").read_text())) == 3
     g = gaps(rows)
-    base = (rows[0].val_loss + rows[2].val_loss) / 2
     assert g[("nvfp4", 0)] == pytest.approx(100 * (rows[1].val_loss - base) / base)
 
 

@@ -32,6 +32,9 @@ class RunRow:
     tokens_per_s: float
     steps: int
     out: str
+    # The final weights evaluated with every quantizer off (None for BF16, after a precision
+    # switch, or from a run older than the field).
+    val_loss_high_precision: float | None = None
 
 
 def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.PathLike, *,
@@ -68,7 +71,8 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
             result = train(cfg, resume=latest_checkpoint(run_dir) is not None)
         rows.append(RunRow(label, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
-                           int(result["steps"]), str(run_dir)))
+                           int(result["steps"]), str(run_dir),
+                           result.get("final_val_loss_high_precision")))
     if not rows:
         raise FileNotFoundError(f"no finished runs in {out} (train_missing=False trains none)")
     write_report(rows, out)
@@ -97,14 +101,17 @@ def gaps(rows: list[RunRow]) -> dict[tuple[str, int], float | None]:
 
 def format_table(rows: list[RunRow]) -> str:
     g = gaps(rows)
-    lines = ["| recipe | seed | final val loss | gap to BF16 | tokens/s |",
-             "|---|---:|---:|---:|---:|"]
+    base = [r.val_loss for r in rows if r.recipe == BASELINE]
+    lines = ["| recipe | seed | final val loss | gap to BF16 | quantizers off (gap) | tokens/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in (r for runs in _by_recipe(rows).values() for r in runs):
         gap = g[(r.recipe, r.seed)]
         gap_s = "n/a" if gap is None else f"{gap:+.2f}%"
-        lines.append(f"| {r.recipe} | {r.seed} | {r.val_loss:.4f} | {gap_s} | "
+        hp = r.val_loss_high_precision
+        hp_s = "-" if hp is None else f"{hp:.4f}" + (
+            f" ({100.0 * (hp / statistics.fmean(base) - 1):+.2f}%)" if base else "")
+        lines.append(f"| {r.recipe} | {r.seed} | {r.val_loss:.4f} | {gap_s} | {hp_s} | "
                      f"{r.tokens_per_s:,.0f} |")
-    base = [r.val_loss for r in rows if r.recipe == BASELINE]
     if len(base) > 1:
         spread = 100.0 * (max(base) - min(base)) / statistics.fmean(base)
         lines.append(f"\nBF16 seed-to-seed spread (noise floor): {spread:.2f}%")

@@ -75,7 +75,7 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    tag = ("val/" + k[4:] if k.startswith("val_loss") else f"train/{k}")
+                    tag = "val/" + k[4:] if k.startswith("val_loss") else f"train/{k}"
                     self.tb.add_scalar(tag, v, record["step"])
 
     def close(self) -> None:

@@ -289,6 +289,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
         for step in range(start_step, cfg.max_steps):
             if cfg.switch_step is not None and step >= cfg.switch_step and not switched:
                 switched = True
+                val_loss_hp = None  # the switch step's, not the final weights'
                 n = to_high_precision(gpt)
                 say(f"after step {step}: precision switch: {n} quantized modules compute in BF16 "
                     f"from step {step + 1} on (high_precision_tail {cfg.high_precision_tail})")
@@ -384,7 +385,7 @@ def _train(cfg: PretrainConfig, resume: bool, env: DistEnv) -> dict[str, Any]:
         "recipe": cfg.recipe_name, "steps": cfg.max_steps, "steps_this_run": steps_run,
         "tokens": cfg.max_steps * tokens_per_step, "final_loss": loss_value,
         "final_val_loss": val_loss,
-        "final_val_loss_high_precision": val_loss_hp if not switched else None,
+        "final_val_loss_high_precision": val_loss_hp,
         "tokens_per_s": steps_run * tokens_per_step / train_s if train_s else math.nan,
         "train_s": train_s, "wall_s": time.perf_counter() - wall_start,
         "nan_skips": skips_total, "params": n_params, "optimizer": optimizer_name,

@@ -21,7 +21,7 @@ PIP_FLAGS ?= -q
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip $(PIP_FLAGS)
-LINT_PATHS := $(wildcard fp4stack tests benchmarks)
+LINT_PATHS := $(wildcard fp4stack tests benchmarks experiments)
 
 .PHONY: demo test lint clean distclean
 .PRECIOUS: $(VENV)/.installed-%

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_launch_overhead as bench  # noqa: E402
+bench = load_script("benchmarks/bench_launch_overhead.py")
 
 
 def test_every_case_quantizes_like_the_reference():

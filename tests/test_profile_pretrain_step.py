@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import torch
+from scripts import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import profile_pretrain_step as prof  # noqa: E402
+from fp4stack.train.config import load_config
 
-from fp4stack.train.config import load_config  # noqa: E402
+prof = load_script("benchmarks/profile_pretrain_step.py")
 
 
 def test_profiles_a_quantized_training_step_on_random_tokens():

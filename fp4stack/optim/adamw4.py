@@ -1,6 +1,6 @@
 """AdamW with both moments stored in NVFP4 (1.125 bytes per parameter instead of 8).
 
-Defaults chosen by benchmarks/study_adamw4_transforms.py (200 steps, 2 seeds, gap of the final
+Defaults chosen by experiments/study_adamw4_transforms.py (200 steps, 2 seeds, gap of the final
 eval loss to fp32 torch AdamW; tiny GPT on a Zipf-Markov stream / MLP whose input scales span
 two decades / matrix whose rows' gradients span eight decades; docs/RESULTS.md):
 

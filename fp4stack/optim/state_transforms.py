@@ -27,7 +27,7 @@ product n = R C^T / mean(v) of its row and column means, whose square roots it k
 v ~ delta^2 x^2, spanning as many decades along a block as the inputs x do, and across rows as
 the rows' gradients do) never reaches the quantizer. It stores sqrt(v) x (1 / sqrt(n)) and
 reads the root of v back as stored x sqrt(n), so decoding rounds no square root of its own.
-Measured in benchmarks/study_adamw4_transforms.py (see adamw4.py).
+Measured in experiments/study_adamw4_transforms.py (see adamw4.py).
 
 Rounding is pinned down so that the fused Triton step (fp4stack/kernels/adamw4.py) gives the same
 bits: square roots are correctly rounded (`sqrt_rn`), and the roots of the rank-1 factors come

@@ -13,7 +13,7 @@ Prints one markdown table: final eval loss (mean over seeds), its gap to fp32 Ad
 the per-seed gaps) and state bytes per parameter (of the tiny GPT: rank1's row and column means
 weigh more there than on real matrices). About 9 CPU-minutes: 5 minutes on 2 idle cores.
 
-    python benchmarks/study_adamw4_transforms.py [--steps 200] [--seeds 0,1] [--workers 2]
+    python experiments/study_adamw4_transforms.py [--steps 200] [--seeds 0,1] [--workers 2]
 """
 
 from __future__ import annotations

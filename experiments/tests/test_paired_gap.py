@@ -1,4 +1,4 @@
-"""benchmarks/paired_gap.py: runs paired by seed, the differences it prints, its sign test."""
+"""experiments/paired_gap.py: runs paired by seed, the differences it prints, its sign test."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import paired_gap
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import paired_gap  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_run(root: Path, name: str, val: dict[int, float], train: float) -> None:
@@ -38,7 +37,7 @@ def test_pairs_by_seed_and_reports_differences(tmp_path):
     write_run(a, "x-s2", {100: 4.0, 200: 9.0}, train=2.0)  # no y at seed 2: not paired
     (a / "x-s3").mkdir()  # unfinished (no result.json): ignored
     png = tmp_path / "pairs.png"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_gap.py"), str(a),
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "paired_gap.py"), str(a),
                           str(b), "--pairs", "x:y", "--plot", str(png)],
                          capture_output=True, text=True, check=True).stdout
     assert "| x | y | 0 | 3.3000 | 3.0000 | +10.00% | +10.00% |" in out
@@ -51,7 +50,7 @@ def test_pairs_by_seed_and_reports_differences(tmp_path):
 def test_refuses_a_pair_without_common_seeds(tmp_path):
     write_run(tmp_path, "x-s0", {100: 3.0}, train=2.0)
     with pytest.raises(subprocess.CalledProcessError) as err:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_gap.py"),
+        subprocess.run([sys.executable, str(ROOT / "experiments" / "paired_gap.py"),
                         str(tmp_path), "--pairs", "x:y"], capture_output=True, text=True,
                        check=True)
     assert "no seed with finished runs of both x and y" in err.value.stderr

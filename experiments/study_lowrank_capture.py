@@ -9,7 +9,7 @@ before and after the branch. Beside it, the other way a rank-r BF16 branch can s
 keep the top r singular directions L of W itself and quantize only W - L, error
 ||W - L - Q(W - L)|| / ||W||.
 
-    python benchmarks/study_lowrank_capture.py --model smollm2 --ranks 16 64
+    python experiments/study_lowrank_capture.py --model smollm2 --ranks 16 64
 """
 
 from __future__ import annotations

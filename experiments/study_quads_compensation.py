@@ -4,7 +4,7 @@ One batch of rollouts from the RL config's starting policy (its SFT warm-up, cac
 scored by each engine precision and by the trainer it is paired with; prints k3, max |Δlogp| and
 the sequence ESS per row as a markdown table. Runs on CPU in seconds for configs/rl/tiny.yaml.
 
-    python benchmarks/study_quads_compensation.py --config configs/rl/tiny.yaml \
+    python experiments/study_quads_compensation.py --config configs/rl/tiny.yaml \
         --cache runs/rl-compare/tiny/sft
 """
 

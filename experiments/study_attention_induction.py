@@ -9,13 +9,13 @@ setting trains from the same initialisation on the same batches (per seed), line
 only fp4_attention's setting differs (torch reference). The final loss is measured with the
 method's FP4 forward on held-out sequences; the curves are the training loss.
 
-    python benchmarks/study_attention_induction.py --steps 200 --seeds 0 1 2 \
+    python experiments/study_attention_induction.py --steps 200 --seeds 0 1 2 \
         --plot docs/attention_induction.png
 
 At other sizes, and on a GPU through the Triton kernels where they compute the setting (bf16
 autocast, the way the trainer runs them; the others fall back to the torch reference):
 
-    python benchmarks/study_attention_induction.py --device cuda --dim 512 --layers 4 \
+    python experiments/study_attention_induction.py --device cuda --dim 512 --layers 4 \
         --heads 8 --seq 1024 --batch 16 --only "reuse (default)" "no reuse"
 """
 

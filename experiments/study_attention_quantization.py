@@ -27,11 +27,11 @@ real activations rounded to bf16, as training feeds them: their error against ex
 and against the float64 reference of the same setting (what the kernels add). --device cuda
 computes everything on the GPU (still float64).
 
-    python benchmarks/study_attention_quantization.py \
+    python experiments/study_attention_quantization.py \
         --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
         --config configs/pretrain/tiny.yaml [--weight-grads 8] [--device cuda --kernels] \
         [--only stochastic "reuse (default)"]
-    python benchmarks/study_attention_quantization.py --model smollm2 --tokens 512
+    python experiments/study_attention_quantization.py --model smollm2 --tokens 512
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import plot_weight_flips
 import pytest
 import torch
 from test_train import config, make_data
@@ -14,9 +12,6 @@ from fp4stack.api import dequantize, quantize
 from fp4stack.nn.linear import QuantLinear
 from fp4stack.nn.recipe import recipe
 from fp4stack.train import read_metrics, train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import plot_weight_flips  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,20 @@
-"""benchmarks/study_attention_quantization.py: its yardsticks and the kernels' table."""
+"""experiments/study_attention_quantization.py: its yardsticks and the kernels' table."""
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
+import study_attention_induction as induction
+import study_attention_quantization as study
+import study_attention_step as step
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import study_attention_induction as induction  # noqa: E402
-import study_attention_quantization as study  # noqa: E402
-import study_attention_step as step  # noqa: E402
+from fp4stack.nn.attention import AttentionQuant
+from fp4stack.nn.attention_quant import NVFP4_SR
 
-from fp4stack.nn.attention import AttentionQuant  # noqa: E402
-from fp4stack.nn.attention_quant import NVFP4_SR  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sample(seed: int = 0, shape=(1, 2, 24, 16)):

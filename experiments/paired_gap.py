@@ -9,7 +9,7 @@ at this many seeds or more if the order of the two were a coin flip). With --plo
 difference to B at every evaluation: one line per pair, the mean over seeds, with the band
 from the lowest to the highest seed.
 
-    python benchmarks/paired_gap.py runs/compare/small-fs3 runs/compare/small-nvidia \\
+    python experiments/paired_gap.py runs/compare/small-fs3 runs/compare/small-nvidia \\
         --pairs fullstack:fullstack-noreuse fullstack-nvidia:fullstack-nvidia-noreuse \\
         --plot docs/attention_reuse_paired_h200.png
 """

@@ -1,6 +1,6 @@
 """Plot the weight flip and return rates of pretraining runs made with `--weight-flips`.
 
-    python benchmarks/plot_weight_flips.py benchmarks/results/weight_flips_2026-12-01/* \
+    python experiments/plot_weight_flips.py experiments/results/weight_flips_2026-12-01/* \
         --out docs/weight_flips.png
 
 Each run directory holds the trainer's metrics.jsonl; the x axis is the fraction of training, so

@@ -8,7 +8,7 @@ runs (the method's FP4 attention: Q, K, V in NVFP4, round to nearest; linears ex
 exact attention. Every setting starts from the same weights and is evaluated on the same
 validation windows, in float64, so the differences between settings are the gradients' alone.
 
-    python benchmarks/study_attention_step.py \
+    python experiments/study_attention_step.py \
         --checkpoint runs/compare/tiny-attention/bf16-s0/checkpoints/step_00000200 \
         --config configs/pretrain/tiny.yaml --batches 32 --lr 3e-5 1e-4 3e-4
 """

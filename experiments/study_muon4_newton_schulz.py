@@ -1,7 +1,7 @@
 """How far Newton-Schulz with NVFP4 GEMM operands lands from fp32 Newton-Schulz and from the exact
 polar factor U Vᵀ, per matrix shape (relative Frobenius errors, a few random Gaussian matrices).
 
-    python benchmarks/study_muon4_newton_schulz.py [--seeds 3]
+    python experiments/study_muon4_newton_schulz.py [--seeds 3]
 """
 
 from __future__ import annotations

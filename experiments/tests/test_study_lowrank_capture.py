@@ -1,17 +1,15 @@
-"""benchmarks/study_lowrank_capture.py: the share of W - Q(W) a rank-r branch can hold."""
+"""experiments/study_lowrank_capture.py: the share of W - Q(W) a rank-r branch can hold."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import study_lowrank_capture as study
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import study_lowrank_capture as study  # noqa: E402
+from fp4stack.nn.lowrank import lowrank_factors
 
-from fp4stack.nn.lowrank import lowrank_factors  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shares_grow_with_rank_to_one_and_match_the_branch():

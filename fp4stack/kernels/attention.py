@@ -1,78 +1,44 @@
 """Flash-attention-style Triton forward of NVFP4 attention (Q, K, V in NVFP4, P unquantized:
-the default AttentionQuant and its ablations, whose forwards differ only in Q̂, K̂, V̂),
-matching fp4stack.nn.attention.fp4_attention; the backward is in attention_bwd.py.
+the default AttentionQuant and its ablations, whose forwards differ only in Q̂, K̂, V̂), matching
+fp4stack.nn.attention.fp4_attention; the backward is in attention_bwd.py, the operands in
+attention_units.py.
 
-Two passes. A prologue (attention_units.py's quantize_units_kernel) quantizes
-Q and K in 16-wide blocks along d and V in 16-key blocks along the keys, once, from the global
-amaxes, with the jit helpers of the NVFP4 kernels, so the values are bit for bit the reference's.
-It stores them in units of their global scale: E2M1 value times E4M3 block scale, at most 6
-significant bits, exact in bf16, fp16 and fp32; the units keep the input's dtype (fp32 inputs:
-fp32 units). The global decode factor amax / (6 * 448) of each tensor is a scalar applied to the
-fp32 dot results. The flash forward then loads units only: each program takes BLOCK_M queries of
-one (batch, head) and walks the keys BLOCK_N at a time with an fp32 online softmax; with
-grouped-query attention, query head h reads K/V head h // (H / Hkv) (no repeated copies). Key
-tiles every row of the query tile sees in full go through an unmasked loop; only the diagonal
-(causal) and the last, partial key tile pay for masks (key_range). The backward loads the same
-units (tensor reuse: the forward's Q̂, K̂, V̂, never re-quantized); for reuse=False, or a
-partial reuse, it gets backward_operands instead, the prologue's kernel run again on the raw
-tensors not reused, with the forward's amaxes: Q̂, K̂ along d (the forward's, bit for bit), V̂
-along d, Q̂ along the queries, K̂ along the keys. reblock=True re-quantizes the reused units
-along those same dims (reblocked_operands). With 16x16 tiles (AttentionQuant's NVFP4_TILES for
-Q, K and V) the prologue quantizes each tensor once in tiles, which serve every GEMM of both
-passes: the backward reuses those units whatever the config's reuse (the same numbers).
-Stochastic rounding (1x16 blocks): quantize_units with a seed draws formats/random.py's uniforms
-at the reference's linear indices, so a seed gives the reference's bits.
+A prologue (attention_units.quantize_operands) quantizes Q, K along d and V along the keys once,
+from the global amaxes, into units: E2M1 value times E4M3 block scale, exact in the input's
+dtype; each tensor's global decode factor amax / (6 * 448) is a scalar applied to the fp32 dot
+results. attention_fwd_kernel then takes BLOCK_M queries of one (batch, head), walks the keys
+BLOCK_N at a time with an fp32 online softmax, and masks only the key tiles that need it
+(key_range). The jit helpers here (key_range, score_factors, query_tile, key_tile_scores) are
+the backward's too, so that both passes compute S and P alike, bit for bit.
 
-fp32 inputs use fp32 ("ieee") dots; 16-bit inputs use dots in their own dtype (P is rounded to it
-there), always with fp32 accumulation. Under the interpreter, whose 16-bit dots are wrong, operands
-are rounded to that dtype and multiplied in fp32 (MMA_TY).
-
-The online softmax accumulates P V̂ into the output in place (the dot adds into it) and applies
-V's scalar decode factor once at the end: a second accumulator would cost a tile of registers.
-
-Tiles: see default_tiles (per head dim, from sweeps on an H200; benchmarks/bench_attention.py
---sweep times the alternatives). Tested under the Triton interpreter on the CPU and on an H200;
-speeds in docs/PERFORMANCE.md.
+Tiles: default_tiles (per head dim and dtype), TILE_OVERRIDES for sweeps. The design, the
+backward's use of these units and the kernels' coverage: docs/attention.md; speeds in
+docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import cdiv
-from .attention_units import INV_RANGE, quantize_operands, unit_values
+from .attention_common import INV_RANGE, Tile, check_tile
+from .attention_units import quantize_operands, unit_values
 from .nvfp4 import _launch_options
 
 HEAD_DIMS = (16, 32, 64, 128)
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One kernel's launch shape: BLOCK_M query rows, BLOCK_N key rows (powers of two >= 16)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 def default_tiles(head_dim: int, device_type: str = "cuda",
                   dtype: torch.dtype = torch.bfloat16) -> dict[str, Tile]:
     """Tiles of each pass: "quant" (prologue; block_m rows), "fwd", "amax" and "dq" (query-major),
     "dkdv" (key-major). Under the interpreter: 16 x 16, so small tests cross tiles and tails.
-
-    CUDA, 16-bit: first picked from ptxas's register report for sm_90 (the largest tiles with
-    no or small spills), then d=128's from sweeps on an H200 (2026-11-30, S=2048,
-    deterministic dQ): a key-major tile of 32 x 64 with 4 warps took the forward + backward
-    from 2.38 to 1.88 ms; later, with the forward accumulating in place, 64 x 64 tiles with 4
-    warps for the forward (3 stages) and the amax pass took it from 1.75 to 1.58 ms.
-    fp32 inputs (tests): small tiles, fp32 tiles take twice the shared memory.
+    CUDA: chosen from ptxas's register reports for sm_90 and sweeps on an H200 (how, in
+    docs/attention.md); fp32 inputs (tests) get small tiles, which take twice the shared memory.
     """
     if device_type != "cuda":
         t = Tile(16, 16, 1, 1)
@@ -241,13 +207,6 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> No
         raise TypeError(f"q, k, v must be float32, bfloat16 or float16, got {q.dtype}")
     if causal and q.shape[2] > k.shape[2]:
         raise ValueError(f"causal attention needs S <= L, got S={q.shape[2]}, L={k.shape[2]}")
-
-
-def check_tile(t: Tile) -> None:
-    # Powers of two (tl.arange) >= 16 (tl.dot; whole 16-blocks inside a tile).
-    for name, n in (("block_m", t.block_m), ("block_n", t.block_n)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {n}")
 
 
 # Process-wide overrides of default_tiles, {pass: Tile}: for benchmarks/bench_attention.py --sweep.

@@ -1,53 +1,26 @@
-"""Flash-attention-style Triton backward of NVFP4 attention (the default AttentionQuant: the
-forward's Q̂, K̂, V̂ reused, dS in NVFP4 1x16 RNE, P and dO high precision), matching the
-backward of fp4stack.nn.attention.fp4_attention; also its ablations, and both at once:
+"""Flash-attention-style Triton backward of NVFP4 attention, matching the backward of
+fp4stack.nn.attention.fp4_attention: by default the forward's Q̂, K̂, V̂ reused, dS in NVFP4 1x16
+RNE, P and dO high precision; also the ablations, through its operands and two switches.
 
-- reuse=False (constexpr REUSE=False): each GEMM takes units quantized along its own reduction
-  dim (attention.backward_operands): S from Q̂, K̂ along d as in the forward, dP = dO V̂ᵀ with V̂
-  along d (passed where the forward's V̂ would be: the backward reads V only for dP), dK = dŜᵀ Q̂
-  with Q̂ along the queries (q_dk_ptr), dQ = dŜ K̂ with K̂ along the keys (k_dq_ptr). The decode
-  factors are the forward's: a tensor's amax does not depend on its blocks' axis. A partial
-  reuse (e.g. reuse=("v",)) runs the same kernels with the forward's units passed for the
-  operands it reuses (V̂ along keys as vu, Q̂ as q_dk, K̂ as k_dq).
-- ds=None (constexpr QUANT_DS=False): no dS amax pass; the dK and dQ dots take the raw dS,
-  rounded to the dot dtype as P is for dV (fp32 inputs: none; 16-bit inputs: bf16/fp16).
+backward_units takes its GEMM operands explicitly, as units (attention_units.py): qu, ku for
+S = Q̂ K̂ᵀ, vu for dP = dO V̂ᵀ, and optionally q_dk for dK = dŜᵀ Q̂ and k_dq for dQ = dŜ K̂ (none:
+constexpr REUSE, the kernels read qu and ku there). quant_ds=False (ds=None, constexpr QUANT_DS)
+feeds the raw dS to the dK and dQ dots; delta_dp (delta="dp", constexpr DELTA_DP) takes
+delta = rowsum(P ∘ dP) instead of rowsum(dO ∘ O). Under the defaults the extra pointers are
+never read and the kernels compile as if the ablations did not exist.
 
-With REUSE and QUANT_DS (the default) the extra pointers are never read and the kernels compile
-to what they were before the ablations existed (same sm_90 registers and spills).
+Passes, each reading units and applying the scalar global decode factors to fp32 dots:
+1. query_kernel, DQ=False (query-major): delta of its rows, then S, P = exp(S - lse), dP and dS
+   tile by tile, for each program's max |dS| (dS's global amax, on the device); without dS
+   quantization (and delta "output"), delta_kernel computes delta alone.
+2. dkdv_kernel (key-major, transposed tiles): dV += Pᵀ dO and dK += dŜᵀ Q̂ with dS quantized
+   along the queries; with ATOMIC_DQ also dQ, by atomic adds.
+3. query_kernel, DQ=True (DETERMINISTIC, the default): dQ = dŜ K̂ with dS quantized along the
+   keys, summed in a fixed order.
 
-The reference quantizes dS with one global amax over the whole [B, H, S, L] dS, so dS is made
-twice: once to find that amax, once to use it. Passes, all reading the units of attention.py's
-prologue (E2M1 x E4M3 values, exact in bf16) and applying the scalar global factors to fp32 dots:
-
-1. query_kernel with DQ=False (query-major: BLOCK_M queries, loop over key tiles): first
-   delta = rowsum(dO ∘ O) of its rows, fp32, from the output as returned (bf16 for bf16 inputs,
-   as flash attention does; the reference keeps an fp32 O), stored for the later passes; then
-   it recomputes S = Q̂ K̂ᵀ, P = exp(S - lse) with the forward's lse, dP = dO V̂ᵀ,
-   dS = P ∘ (dP - delta), and writes each program's max |dS|; their max is the global amax (on
-   the device, no host sync). Without it (ds=None) delta_kernel computes delta.
-   delta="dp" (DELTA_DP) takes delta = rowsum(P ∘ dP) instead, from a sweep over the key tiles
-   of its own before the amax sweep (two more dots; with ds=None the pass does only that).
-   Like the forward, it masks only the key tiles that need it (attention.key_range).
-3. dkdv_kernel (key-major: BLOCK_N keys, loop over query tiles, tiles transposed so that Pᵀ and
-   dSᵀ come straight out of the dots): dV += Pᵀ dO; dSᵀ quantized in 16-blocks along the queries,
-   dK += dŜᵀ Q̂. With ATOMIC_DQ (deterministic=False) it also quantizes dSᵀ along the keys
-   and adds dŜ K̂ into an fp32 dQ with atomics (summation order then varies from run to run).
-4. deterministic=True (the default, DETERMINISTIC) instead: dkdv_kernel without atomics, then
-   query_kernel with DQ=True quantizes dS along the keys and sums dQ = dŜ K̂ over the key tiles
-   itself; results are then the same from run to run, and on an H200 it was faster too.
-
-GQA: query head h reads K/V head h // G (G = H / Hkv) in every kernel; a dkdv program takes one
-K/V head's key tile and loops over its G query heads, so dK and dV sum over them in fp32.
-
-Dots: 2 (amax) + 5 (dkdv with atomic dQ) = 7; deterministic: 2 + 4 + 3 = 9; FlashAttention-2's
-backward does 5 (ds=None drops the amax pass's 2). Tiles start at multiples of their size
-(>= 16), so the 16-blocks of dS (and of reuse=False's Q̂, K̂ along queries and keys) are the
-reference's (which zero-pads the queries or keys); padded and masked entries have P = 0 and
-dS = 0. Causal: queries are the last S of L positions (query i sees keys j <= i + L - S), and
-tiles that see nothing are skipped. dQ, dK, dV are accumulated in fp32, stored in the input dtype.
-
-Tested under the Triton interpreter on the CPU and on an H200 (tests/test_attention_kernel.py
-states the tolerances against the reference); speeds in docs/PERFORMANCE.md.
+Grouped-query attention: query head h reads K/V head h // G; a dkdv program loops over the G
+query heads of its K/V head. dQ, dK, dV accumulate in fp32. Design, dot counts and the
+tolerances: docs/attention.md; speeds in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -58,21 +31,14 @@ import triton.language as tl
 
 from . import cdiv
 from . import nvfp4_jit as jit
-from .attention import (
-    Tile,
-    key_range,
-    key_tile_scores,
-    mma_type,
-    query_tile,
-    score_factors,
-)
-from .attention_units import INV_RANGE, SCALE_MAX, quantize_tile
+from .attention import key_range, key_tile_scores, mma_type, query_tile, score_factors
+from .attention_common import INV_RANGE, SCALE_MAX, Tile
+from .attention_units import quantize_tile
 from .nvfp4 import _launch_options
 
 # The default of backward_units and of fp4_attention's Triton path: True computes dQ in a pass
-# of its own, False adds it from the key-major pass with atomics. The separate pass was faster
-# on an H200 (S=2048, d=128, forward + backward: 2.37 against 3.19 ms; the atomic dkdv pass
-# also quantizes dS along the keys, spills and contends) and gives the same bits every run.
+# of its own, False adds it from the key-major pass with atomics. The separate pass gives the
+# same bits every run and was faster on an H200 (docs/attention.md).
 DETERMINISTIC = True
 
 
@@ -313,7 +279,7 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     qu, ku: Q̂, K̂ with blocks along d (S is recomputed from them); vu: the V̂ of dP = dO V̂ᵀ.
     Tensor reuse (q_dk, k_dq None): vu is the forward's (blocks along keys) and dK, dQ multiply
     by qu, ku. reuse=False: vu has blocks along d, q_dk (blocks along queries) and k_dq (along
-    keys) are given, all from attention.backward_operands (a partial reuse passes the
+    keys) are given, all from attention_units.backward_operands (a partial reuse passes the
     forward's units for the operands it reuses). quant_ds False (ds=None): dS enters
     the dK and dQ dots unquantized (rounded to the dot dtype), there is no amax pass and ds_amax
     is None. do [B, H, S, d] is made contiguous. dbg (debug=True, else None) is

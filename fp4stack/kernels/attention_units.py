@@ -14,23 +14,15 @@ apply to their fp32 dot results. quantize_tile is also the backward's in-kernel 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
 from ..formats.random import seed_keys
-from ..formats.spec import QuantSpec
 from . import cdiv
 from . import nvfp4_jit as jit
+from .attention_common import INV_RANGE, SCALE_MAX, Tile
 from .nvfp4 import _int32, _launch_options
-
-if TYPE_CHECKING:
-    from .attention import Tile
-
-SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
-INV_RANGE = tl.constexpr(1.0 / (SCALE_MAX * 6.0))  # global decode factor = amax * INV_RANGE
 
 
 @triton.jit

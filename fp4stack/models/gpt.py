@@ -184,7 +184,8 @@ class Attention(nn.Module):
 
         mask None: causal. Otherwise mask is a boolean "may attend" tensor [B, 1, S, L] that
         already holds causality, padding and a True diagonal (so no query row is all False); it is
-        used as given. The one place attention is computed, for an FP4 attention to override.
+        used as given. The one place attention is computed, for an FP4 attention to override
+        (this method makes the class an fp4stack.nn.attention.AttentionBlock).
         """
         if self.n_kv_heads != self.n_heads:  # query head h reads K/V head h // rep (HF repeat_kv)
             rep = self.n_heads // self.n_kv_heads

@@ -1,88 +1,31 @@
-"""NVFP4 attention with tensor reuse: the torch reference of Full-Stack FP4's mixed-precision
-attention (forward and backward), emulated with exact NVFP4 values and fp32 maths.
+"""NVFP4 attention with tensor reuse: fp4_attention, the torch reference of Full-Stack FP4's
+mixed-precision attention (forward and backward), emulated with exact NVFP4 values and fp32
+maths, and use_fp4_attention, which puts it into a model's attention blocks.
 
-Every GEMM quantizes its operands in 1x16 blocks along that GEMM's reduction dimension, because an
-NVFP4 GEMM applies its block scales along K. Shapes: Q [S, d], K and V [L, d], P and dS [S, L]
-(per batch and head); "queries" is S, "keys" is L, d is head_dim.
+Every GEMM quantizes its operands in 1x16 blocks along its own reduction dimension (an NVFP4 GEMM
+applies its block scales along K): Q and K along head_dim for S = Q Kᵀ, V along the keys for
+O = P V, dS along the keys for dQ and along the queries for dK. AttentionQuant
+(attention_quant.py) says which tensors are quantized and which of the forward's quantized
+tensors the backward reuses; by default Q, K, V and dS are NVFP4 and the backward multiplies by
+the forward's Q̂, K̂, V̂ (tensor reuse). The softmax, its statistics and every accumulation stay
+in high precision (fp32; fp64 for fp64 inputs). Any sequence length: quantize_along pads to whole
+16-blocks with zeros, which change no scale and add nothing to a product.
 
-| GEMM        | operands | reduction | blocks run along                     | quantized by default |
-|-------------|----------|-----------|--------------------------------------|----------------------|
-| S = Q Kᵀ    | Q, K     | d         | d                                    | Q, K                 |
-| O = P V     | P, V     | keys      | keys (P rows, V columns)             | V (P stays fp32)     |
-| dV = Pᵀ dO  | P, dO    | queries   | queries (reuse: P̂ as in O = P V)     | nothing              |
-| dP = dO Vᵀ  | dO, V    | d         | d (reuse: V̂ as in O = P V, keys)     | V (dO stays fp32)    |
-| dQ = dS K   | dS, K    | keys      | keys (reuse: K̂ as in S = Q Kᵀ, d)    | dS, K                |
-| dK = dSᵀ Q  | dS, Q    | queries   | queries (reuse: Q̂ as in S = Q Kᵀ, d) | dS, Q                |
+fp4_attention(backend="auto") runs the Triton kernels of fp4stack.kernels.attention and
+attention_bwd for CUDA tensors where they apply (attention_kernels.py says where), else this
+module's reference. use_fp4_attention takes any AttentionBlock: a module with an
+`attend(q, k, v, mask=None)` method, as fp4stack's GPT attention has.
 
-Which tensor each flag of AttentionQuant quantizes: `q`, `k`, `v` the inputs, wherever they are a
-GEMM operand; `p` the probabilities as an operand of O = P V and of dV = Pᵀ dO; `dp` the dO operand
-of the dP GEMM (the path SageBwd keeps in FP16); `ds` the score gradient, along keys for dQ and
-along queries for dK (it only exists in the backward, so it is quantized there, once per GEMM).
-dO in dV = Pᵀ dO is never quantized: the method names no quantizer for it.
-
-Tensor reuse (reuse=True, the method's choice): the backward multiplies by the very values the
-forward did. Q̂, K̂ (blocks along d) and V̂ (blocks along keys) are saved and never re-quantized;
-S is recomputed from Q̂ K̂ᵀ bit for bit, so P, and P̂ (same seed), are the forward's too. dP = dO V̂ᵀ,
-dQ = dS K̂ and dK = dSᵀ Q̂ then reuse operands whose blocks run along a dimension other than the
-GEMM's reduction: the numbers stay aligned with the forward, which is the point.
-reuse=False (the ablation): Q, K, V are saved unquantized and the backward re-quantizes each along
-its GEMM's reduction dim: V along d for dP, K along keys for dQ, Q along queries for dK, P along
-queries for dV (and Q, K along d again to recompute S). The backward then differentiates slightly
-different numbers from the ones the forward used. reuse=("v",), ("q", "k") and so on reuse the
-named tensors only (AttentionQuant), to find out which reuse matters. requantize_along="forward"
-re-quantizes them along the forward's block dims instead, and requantize_rounding="stochastic"
-with fresh stochastic rounding: the ablation of whether the block dims or the rounding make no
-reuse train better. S is always recomputed from the forward's Q̂, K̂ bits (a stochastic Q or K
-spec keeps its forward seed for that).
-reblock=True (with reuse): the reused values go into dP, dQ, dK (and dV for P̂) re-quantized
-along those GEMMs' reduction dims, with the forward's global amaxes: the forward's numbers in the
-blocks a native NVFP4 GEMM needs (reuse as such is only possible where the GEMM runs on
-dequantized operands, as in this emulation), at the price of a second rounding.
-16x16 tiles (AttentionQuant.q, k, v = NVFP4_TILES): one scale per 16 tokens x 16 head dims, so
-each block runs along both dims and one quantization of Q, K, V is the right operand of every
-GEMM in both passes; reuse, no reuse and reblock then give the same numbers.
-rotate_qk=True: Q and K enter as Q R and K R, R = blockdiag(diag(s) H16 / 4) along d (the 16-point
-random Hadamard transform, computed in torch before either backend, bit-exact on CPU and GPU).
-R is orthogonal, so S = (QR)(KR)ᵀ = QKᵀ before quantization, and autograd takes dQ, dK back
-through Rᵀ; what changes is which values Q̂, K̂ round to, since a block's outliers spread out.
-
-delta="dp": dS = P ∘ (dP - rowsum(P ∘ dP)) instead of flash attention's rowsum(dO ∘ O), the
-softmax's gradient for the backward's own dP. With the forward's V̂ in dP (reuse) the two are the
-same sum; with another V' (no reuse, re-blocked V̂) only "dp" keeps each row of dS summing to 0.
-
-Kept high precision, as the method says: softmax and its statistics (the log-sum-exp per row,
-saved for the backward as flash attention does), dP, dS before quantization, the rowsum(dO ∘ O)
-term and every accumulation (fp32; fp64 when the inputs are fp64, for tight tests). Unquantized
-operands stay fp32 in this emulation, an upper bound on what BF16 P or dO would give.
-
-Any sequence length: quantize_along pads the dimension its blocks run along to whole 16-blocks
-with zeros, which change neither a block's max nor the global amax and add nothing to a product,
-and cuts them off again. Masked scores give P = 0 and dS = 0, so they contribute nothing either.
-
-Triton kernels: fp4_attention(backend="auto") runs fp4stack.kernels.attention (forward) and
-attention_bwd (backward) for CUDA tensors when the config is the default or one of its ablations
-AttentionQuant(reuse=...) of any reuse, AttentionQuant(ds=None) (or both), Q, K, V rounded
-stochastically (NVFP4_SR) or re-quantized in the backward as requantize_along /
-requantize_rounding say (not with reblock), or Q, K, V in 16x16 tiles (with requantize and
-without reblock), any of them with rotate_qk and either delta, mask is None, head_dim is
-16/32/64/128 and the dtype fp32/bf16/fp16; the same maths in flash-attention tiles, with the
-same quantized values (bit-exact tiles; stochastic ones with the same seeds, drawn in the same
-order) and sums in another order (ds=None with 16-bit inputs: dS is rounded to that dtype for
-its dots, where the reference keeps fp32). Everything else (p or dp quantized, q, k or v not,
-other specs), and CPU tensors, run this module's torch reference (backend="torch" forces it).
-
-Grouped-query attention: K and V are quantized once per K/V head, then repeated for the query
-heads that read them (as the kernels index them), so a stochastic rounding of K or V draws once
-per K/V head.
-
-Causality caveat: V's blocks run along keys, so a past token's V̂ shares its block scale with up to
-15 later tokens, and every quantizer's global amax spans all positions. Masked keys still get zero
-weight and zero gradient, but a future token can nudge the quantized values of past ones.
+docs/attention.md explains the design: the GEMM table, what each AttentionQuant field quantizes,
+tensor reuse and its ablations, the kernels' coverage, grouped-query attention and the
+causality caveat.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -95,8 +38,8 @@ from .attention_kernels import TritonAttentionFn, triton_unsupported
 from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant, stochastic_seed
 
 # The config and its specs are imported from here too (with the functions below).
-__all__ = ["NVFP4_RNE", "NVFP4_SR", "NVFP4_TILES", "AttentionQuant", "fp4_attention",
-           "make_attend", "quantize_along", "use_fp4_attention"]
+__all__ = ["NVFP4_RNE", "NVFP4_SR", "NVFP4_TILES", "AttentionBlock", "AttentionQuant",
+           "fp4_attention", "make_attend", "quantize_along", "use_fp4_attention"]
 
 _BLOCK = 16
 
@@ -317,22 +260,38 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def use_fp4_attention(model, config: AttentionQuant | None = None, backend: str = "auto"):
-    """Make every attention block of an fp4stack GPT compute fp4_attention; returns `model`.
+@runtime_checkable
+class AttentionBlock(Protocol):
+    """An attention module whose attention maths use_fp4_attention can replace.
 
-    Overrides each block's `Attention.attend` on the instance: mask None is causal attention
-    (q the last S of L positions); the left-padding mask the GPT passes ([B, 1, S, L], already
-    holding causality) is used as given. GQA heads are repeated as the original does. backend:
+    It computes attention in one place, `attend(q, k, v, mask=None)`: q [B, H, S, d] the last S
+    of the L positions in k, v [B, Hkv, L, d] (Hkv divides H; query head h reads K/V head
+    h // (H / Hkv)); mask None is causal attention, else a boolean "may attend" tensor
+    broadcastable to [B, H, S, L] that already holds causality. It calls `self.attend`, so that
+    an `attend` set on the instance takes over (fp4stack.models.gpt.Attention is one). Found by
+    duck typing: isinstance(module, AttentionBlock) checks for an `attend` attribute only.
+    """
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor: ...
+
+
+def use_fp4_attention(model: torch.nn.Module, config: AttentionQuant | None = None,
+                      backend: str = "auto") -> torch.nn.Module:
+    """Make every AttentionBlock of `model` (e.g. an fp4stack GPT's attention) compute
+    fp4_attention; returns `model`.
+
+    Overrides each block's `attend` on the instance: mask None is causal attention (q the last
+    S of L positions); a mask (the GPT's left-padding mask [B, 1, S, L], already holding
+    causality) is used as given. GQA heads are repeated as the original does. backend:
     fp4_attention's (auto: the Triton kernels for CUDA tensors where they apply).
     """
-    from ..models.gpt import Attention
-
     config = AttentionQuant.paper() if config is None else config
     if not isinstance(config, AttentionQuant):
         raise TypeError(f"config must be an AttentionQuant, got {type(config).__name__}")
-    blocks = [m for m in model.modules() if isinstance(m, Attention)]
+    blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
     if not blocks:
-        raise ValueError(f"{type(model).__name__} has no fp4stack Attention block")
+        raise ValueError(f"{type(model).__name__} has no fp4stack Attention block (an "
+                         "AttentionBlock: a module with an attend(q, k, v, mask=None) method)")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     for attn in blocks:
@@ -340,8 +299,9 @@ def use_fp4_attention(model, config: AttentionQuant | None = None, backend: str 
     return model
 
 
-def make_attend(config: AttentionQuant, backend: str = "auto"):
-    """An `Attention.attend` replacement computing fp4_attention with `config` and `backend`."""
+def make_attend(config: AttentionQuant, backend: str = "auto") -> Callable[..., Tensor]:
+    """An AttentionBlock's `attend` replacement computing fp4_attention with `config` and
+    `backend`."""
 
     def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         return fp4_attention(q, k, v, causal=mask is None, config=config, mask=mask,

@@ -2,7 +2,8 @@
 
 A frozen dataclass with one QuantSpec (or None) per attention tensor and the reuse flags, checked
 on construction so that a bad setting fails where it is written, naming the field. The maths is
-in fp4stack.nn.attention (the torch reference) and fp4stack.kernels.attention (the kernels).
+in fp4stack.nn.attention (the torch reference) and fp4stack.kernels.attention (the kernels); what
+each field does, in docs/attention.md.
 """
 
 from __future__ import annotations
@@ -24,48 +25,31 @@ NVFP4_RNE = QuantSpec(nan_policy="propagate")
 # error is random from step to step, which the backward still shares when it reuses Q̂, K̂, V̂.
 NVFP4_SR = QuantSpec(rounding="stochastic", nan_policy="propagate")
 # The same in 16x16 tiles over a tensor's last two dims (tokens x head_dim for Q, K, V): one
-# quantization whose blocks run along both, so every GEMM can take it (see fp4stack.nn.attention).
+# quantization whose blocks run along both, so every GEMM can take it (see docs/attention.md).
 NVFP4_TILES = QuantSpec(block=(16, 16), nan_policy="propagate")
 
 
 @dataclass(frozen=True)
 class AttentionQuant:
-    """Which attention tensors are quantized (a QuantSpec each, None = high precision), and
-    whether the backward reuses the forward's quantized Q, K, V (see fp4stack.nn.attention).
+    """Which attention tensors fp4_attention quantizes and what its backward reuses, checked on
+    construction. What each field does, and why, is in docs/attention.md.
 
-    The default is the method's: q, k, v and ds in NVFP4 1x16 RNE; p and dp high precision.
-    reuse: True (all of q, k, v, p), False (none), or a tuple of some of them, for the ablation
-    of which reuse matters: "q" Q̂ (blocks along d) in dK = dŜᵀ Q̂, "k" K̂ in dQ = dŜ K̂, "v" V̂
-    (blocks along keys) in dP = dO V̂ᵀ, "p" P̂ in dV; each one not reused is re-quantized along
-    its GEMM's reduction dim. S is recomputed from Q̂, K̂ along d either way (the same bits).
-    requantize: what the backward does with a tensor it does not reuse: True re-quantizes it
-    along each GEMM's reduction dim; False takes it unquantized, a high-precision backward for
-    it (with Q and K, S is then recomputed from the unquantized tensors against the forward's
-    log-sum-exp: the naive scheme Attn-QAT reports unstable).
-    requantize_along, requantize_rounding: how that re-quantization is done, for the ablation
-    of why reuse trains worse than re-quantizing. "reduction" (default): blocks along each
-    GEMM's reduction dim; "forward": along the dims the forward's blocks ran (d for Q and K,
-    keys for V and P), so only the rounding can differ from the forward's. The rounding is the
-    forward spec's (None) or "rne" / "stochastic" (a fresh draw per backward).
-    reblock: what the backward does with a tensor it reuses in a GEMM whose reduction dim its
-    blocks do not run along (Q̂ in dK, K̂ in dQ, V̂ in dP, P̂ in dV): False uses the forward's
-    values as they are; True re-quantizes those values along the GEMM's reduction dim with the
-    forward's global amax (double quantization), the form a native NVFP4 GEMM can take. S is
-    recomputed from the forward's Q̂, K̂ either way (already blocked along d, its reduction).
-    A spec with block=(16, 16) (NVFP4_TILES) quantizes 16x16 tiles over the tensor's last two
-    dims, blocks along both at once: the forward's Q̂, K̂, V̂ are then the right operands of every
-    backward GEMM, and reuse, no reuse and reblock compute the same numbers.
-    rotate_qk: multiply Q and K along head_dim by one orthogonal matrix before anything else,
-    the 16-point random Hadamard transform of each 16-block (fp4stack.formats.hadamard). QKᵀ is
-    unchanged, but a block's outliers spread over its 16 elements, so fewer small elements round
-    to zero (FlashAttention-3's incoherent processing for FP8). dQ and dK come back through the
-    transpose; the backward still sees the forward's (rotated) Q̂ and K̂ when it reuses them.
-    delta: the row term of the softmax backward, dS = P ∘ (dP - delta). "output" (flash
-    attention's): rowsum(dO ∘ O), from the forward's output O = P V̂. "dp": rowsum(P ∘ dP), from
-    the backward's own dP, so each row of dS sums to zero whatever V operand dP took (the
-    softmax's exact gradient for that dP). The two agree when dP multiplies by the forward's V̂
-    (reuse of v; p and dp unquantized); without it "output" leaves a term P ∘ (dO (V' - V̂)ᵀ)
-    that does not vanish as attention sharpens.
+    q, k, v, p, ds, dp: a QuantSpec each (None: high precision). The default is the method's:
+        q, k, v and ds in NVFP4 1x16 RNE, p and dp high precision. NVFP4_TILES (16x16 tiles)
+        for q, k and v makes one quantization serve every GEMM of both passes.
+    reuse: True (the backward reuses the forward's Q̂, K̂, V̂ and P̂), False (none), or a tuple of
+        some of "q", "k", "v", "p". S is recomputed from the forward's Q̂, K̂ bits (unless
+        requantize=False and Q or K is not reused).
+    requantize: for the tensors not reused, True re-quantizes them for each backward GEMM,
+        False takes them unquantized.
+    requantize_along: "reduction" (default: blocks along each GEMM's reduction dim) or
+        "forward" (along the forward's block dims) for that re-quantization.
+    requantize_rounding: None (the forward spec's rounding), "rne" or "stochastic" for it.
+    reblock: re-quantize the reused values along each backward GEMM's reduction dim, at the
+        forward's global amaxes (the form a native NVFP4 GEMM takes).
+    rotate_qk: multiply Q and K along head_dim by the 16-point random Hadamard transform first.
+    delta: the softmax backward's row term in dS = P ∘ (dP - delta): "output" (rowsum(dO ∘ O),
+        flash attention's) or "dp" (rowsum(P ∘ dP)).
     """
 
     q: QuantSpec | None = NVFP4_RNE

@@ -9,7 +9,7 @@ import yaml
 
 from fp4stack import recipe
 from fp4stack.formats.spec import QuantSpec
-from fp4stack.nn.recipe import PRESETS
+from fp4stack.nn.recipe import LINEAR_OPERANDS, PRESETS
 
 W1X16_4OVER6 = """
 preset: fullstack-nvidia-noreuse
@@ -37,8 +37,9 @@ w_dgrad: {block: [1, 16]}
     ("qat-w", {"preset": "bf16", "w": {}}),  # over an unquantized operand: NVFP4 1x16 RNE
 ])
 def test_mappings_rebuild_the_presets(preset, mapping):
+    """Presets and recipe files (configs/recipes), as mappings written here."""
     built = recipe({**mapping, "name": preset})
-    assert built == PRESETS[preset]
+    assert built == recipe(preset)
 
 
 def test_none_null_and_the_name():
@@ -93,18 +94,19 @@ def test_other_types_are_refused():
         recipe(4)
 
 
-def test_shipped_recipe_files_are_the_linears_of_their_presets():
-    """configs/recipes/*.yaml build, and each is its full-stack preset's linear operands."""
+def test_lowrank_recipe_files_are_the_linears_of_their_full_stacks():
+    """configs/recipes/lowrank-nvidia-*.yaml, read by path (`--recipes FILE`), are each the
+    linear operands of the best full stack's variant of the same name."""
     from pathlib import Path
 
-    from fp4stack.nn.recipe import _LINEAR_OPERANDS
     from fp4stack.train.config import recipe_arg
 
-    files = sorted((Path(__file__).resolve().parents[1] / "configs/recipes").glob("*.yaml"))
-    assert files
+    files = sorted((Path(__file__).resolve().parents[1] / "configs/recipes")
+                   .glob("lowrank-nvidia-*.yaml"))
+    assert len(files) == 2
     for path in files:
         r = recipe(recipe_arg(str(path)))
         assert r.name == path.stem
-        full = PRESETS[r.name.replace("lowrank-nvidia", "fullstack-nvidia-noreuse")]
-        assert all(getattr(r, f) == getattr(full, f) for f in _LINEAR_OPERANDS), path.name
+        full = recipe(r.name.replace("lowrank-nvidia", "fullstack-nvidia-noreuse"))
+        assert all(getattr(r, f) == getattr(full, f) for f in LINEAR_OPERANDS), path.name
         assert r.lowrank == full.lowrank and r.attention is None

@@ -1,7 +1,7 @@
 """A Recipe written as data (a YAML mapping): a preset with some of its fields changed.
 
     recipe:
-      preset: fullstack-nvidia-noreuse      # any preset name, PRESET@SCOPE too
+      preset: fullstack-nvidia-noreuse      # a preset, or a recipe file's name; NAME@SCOPE too
       name: fwd-4over6                      # required when a field changes: it names the run
       x: {four_over_six: true}              # QuantSpec fields over the preset's spec
       w: {block: [1, 16], four_over_six: true}
@@ -14,26 +14,25 @@ NVFP4 1x16 round-to-nearest when the preset leaves it unquantized), "none" (unqu
 w_dgrad and x_wgrad, null (reuse the forward's quantized tensor). lowrank, compensation and
 attention take a mapping of their own fields, or null to drop them; attention's q, k, v, p, ds
 and dp take QuantSpec mappings, "none" or null. Every unknown key is an error naming the field.
+A recipe file (fp4stack.nn.recipe_files) holds one such mapping, found by its name.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
 from ..formats.spec import QuantSpec
-from .attention_quant import AttentionQuant
-from .recipe import _LINEAR_OPERANDS, PRESETS, LowRank, Recipe, ResidualCompensation
-from .recipe import recipe as named
+from .attention_quant import NVFP4_RNE, AttentionQuant
+from .recipe_types import LINEAR_OPERANDS, LowRank, Recipe, ResidualCompensation
 
-_DEFAULT_SPEC = QuantSpec(nan_policy="propagate")  # as the presets' layers: no per-call sync
 _SCALARS = ("weight_storage", "activation_amax", "keep_first_blocks", "keep_last_blocks",
             "optimizer_states")
 _PARTS = {"lowrank": LowRank, "compensation": ResidualCompensation, "attention": AttentionQuant}
 _ATTENTION_SPECS = ("q", "k", "v", "p", "ds", "dp")
-KEYS = ("preset", "name", *_LINEAR_OPERANDS, *_SCALARS, *_PARTS)
+KEYS = ("preset", "name", *LINEAR_OPERANDS, *_SCALARS, *_PARTS)
 
 
 def _unknown(where: str, key: str, known) -> ValueError:
@@ -57,7 +56,8 @@ def _spec(where: str, value: Any, base: QuantSpec | None, nullable: bool) -> Qua
     for key in value:
         if key not in known:
             raise _unknown(where, key, known)
-    start = base if base is not None and base.format != "none" else _DEFAULT_SPEC
+    # As the presets' layers: no per-call NaN check (a host sync).
+    start = base if base is not None and base.format != "none" else NVFP4_RNE
     try:
         return replace(start, **value)
     except (TypeError, ValueError) as e:
@@ -84,8 +84,10 @@ def _part(where: str, cls: type, value: Any, base: Any) -> Any:
         raise ValueError(f"{where}: {e}") from e
 
 
-def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
-    """The Recipe a mapping describes (see the module docstring); errors name the field."""
+def recipe_from_mapping(m: Mapping[str, Any], named: Callable[[str], Recipe],
+                        where: str = "recipe") -> Recipe:
+    """The Recipe a mapping describes (see the module docstring), its `preset` looked up by
+    `named` (fp4stack.nn.recipe.recipe); errors name the field."""
     if not isinstance(m, Mapping):
         raise ValueError(f"{where}: expected a preset name or a mapping, got {m!r}")
     for key in m:
@@ -102,7 +104,7 @@ def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
     changes: dict[str, Any] = {}
     for key in changed:
         value = m[key]
-        if key in _LINEAR_OPERANDS:
+        if key in LINEAR_OPERANDS:
             nullable = key in ("w_dgrad", "x_wgrad")
             base_spec = getattr(base, key)
             if base_spec is None:  # reused: the forward operand's spec is the one in effect
@@ -124,8 +126,4 @@ def recipe_from_mapping(m: Mapping[str, Any], where: str = "recipe") -> Recipe:
                          "it names the run's directory and its row in comparisons")
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"{where}.name: expected a non-empty string without '/', got {name!r}")
-    built = built.with_(name=name)
-    if name in PRESETS and built != PRESETS[name]:
-        raise ValueError(f"{where}.name: {name!r} is a preset's name and this recipe differs "
-                         "from that preset; give it a name of its own")
-    return built
+    return built.with_(name=name)

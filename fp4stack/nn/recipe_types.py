@@ -1,0 +1,137 @@
+"""Recipe: which QuantSpec each GEMM operand of a linear layer gets. Data, not code paths.
+
+For y = x Wᵀ (x [T, K], W [N, K]) a layer runs three GEMMs:
+    fprop  y  = Q(x) Q(W)ᵀ           x and W quantized along K
+    dgrad  dx = Q(dy) Q(W)           dy along N, W along N (columnwise)
+    wgrad  dW = Q(dyᵀ) Q(xᵀ)ᵀ        dy and x along T (columnwise)
+A backward operand of `None` reuses the forward's quantized tensor (exact for 16x16 weight tiles,
+and what a fake-quantized trainer's autograd does); `QuantSpec.none()` uses the unquantized one.
+The named recipes are in fp4stack.nn.recipe; this module holds only the types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ..formats.spec import QuantSpec
+from .attention_quant import AttentionQuant
+
+WeightStorage = Literal["master", "packed"]
+
+
+@dataclass(frozen=True)
+class ResidualCompensation:
+    """QUADS activation residual compensation: y += (x - Q(x))[:, C] Q(W)[:, C]ᵀ.
+
+    k: channels corrected, a count (int >= 1) or a fraction of K (float in (0, 1]).
+    mode: "dynamic" picks C per batch by residual energy; "static" uses channels calibrated
+          per layer (`QuantLinear.calibrate`), falling back to dynamic until calibrated.
+    """
+
+    k: int | float = 0.05
+    mode: Literal["dynamic", "static"] = "dynamic"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not (
+            (isinstance(self.k, int) and self.k >= 1)
+            or (isinstance(self.k, float) and 0.0 < self.k <= 1.0)
+        ):
+            raise ValueError(
+                f"ResidualCompensation.k must be an int >= 1 or a float in (0, 1], got {self.k!r}"
+            )
+        if self.mode not in ("dynamic", "static"):
+            raise ValueError(f"ResidualCompensation.mode must be 'dynamic' or 'static', "
+                             f"got {self.mode!r}")
+
+    def count(self, channels: int) -> int:
+        if isinstance(self.k, int):
+            return min(self.k, channels)
+        return max(1, min(channels, round(self.k * channels)))
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """Full-Stack FP4 low-rank branch: y += (x Aᵀ) Bᵀ, A and B of rank r from a truncated SVD of
+    W - Q(W), refreshed every `refresh_every` training forwards (0: never), or trained."""
+
+    rank: int = 16
+    refresh_every: int = 100
+    trainable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LowRank.rank must be >= 1, got {self.rank}")
+        if self.refresh_every < 0:
+            raise ValueError(f"LowRank.refresh_every must be >= 0, got {self.refresh_every}")
+
+
+_NONE = QuantSpec.none()
+# The GEMM operands of a linear layer, in the order fprop, dgrad, wgrad.
+LINEAR_OPERANDS = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The QuantSpec of every GEMM operand of a linear layer, and the layer-level options.
+
+    keep_first_blocks / keep_last_blocks: transformer blocks left in high precision (applied by
+    `quantize_model`). activation_amax: "dynamic" (each tensor's own) or "static" (calibrated).
+    """
+
+    name: str
+    x: QuantSpec = _NONE
+    w: QuantSpec = _NONE
+    dy: QuantSpec = _NONE
+    w_dgrad: QuantSpec | None = None
+    x_wgrad: QuantSpec | None = None
+    dy_wgrad: QuantSpec = _NONE
+    weight_storage: WeightStorage = "master"
+    activation_amax: Literal["dynamic", "static"] = "dynamic"
+    keep_first_blocks: int = 0
+    keep_last_blocks: int = 0
+    compensation: ResidualCompensation | None = None
+    lowrank: LowRank | None = None
+    attention: AttentionQuant | None = None  # FP4 attention in fp4stack GPT blocks
+    optimizer_states: Literal["fp32", "nvfp4"] = "fp32"  # nvfp4: AdamW4 / Muon4 in training
+
+    def __post_init__(self) -> None:
+        if self.weight_storage not in ("master", "packed"):
+            raise ValueError(f"Recipe.weight_storage must be 'master' or 'packed', "
+                             f"got {self.weight_storage!r}")
+        if self.weight_storage == "packed" and self.w.format != "nvfp4":
+            raise ValueError("Recipe.weight_storage='packed' needs an NVFP4 weight spec (Recipe.w)")
+        if self.weight_storage == "packed" and self.w_dgrad is not None:
+            raise ValueError("Recipe.weight_storage='packed' keeps no master weight to quantize "
+                             "for dgrad: leave Recipe.w_dgrad as None (reuse the packed weight)")
+        if self.activation_amax not in ("dynamic", "static"):
+            raise ValueError(f"Recipe.activation_amax must be 'dynamic' or 'static', "
+                             f"got {self.activation_amax!r}")
+        if self.compensation is not None and self.x.format == "none":
+            raise ValueError("Recipe.compensation corrects activation quantization error, but "
+                             "Recipe.x is not quantized")
+        for name in ("x", "w", "dy", "w_dgrad"):
+            spec = getattr(self, name)
+            if spec is not None and spec.hadamard:
+                raise ValueError(f"Recipe.{name}: the Hadamard transform belongs on the wgrad "
+                                 "operands (x_wgrad and dy_wgrad), where it cancels")
+        had = [s is not None and s.hadamard for s in (self.x_wgrad, self.dy_wgrad)]
+        if had[0] != had[1]:
+            raise ValueError("Recipe.x_wgrad and Recipe.dy_wgrad must both use hadamard or "
+                             "neither: the transform cancels only between two operands")
+        if self.optimizer_states not in ("fp32", "nvfp4"):
+            raise ValueError(f"Recipe.optimizer_states must be 'fp32' or 'nvfp4', "
+                             f"got {self.optimizer_states!r}")
+        if self.attention is not None and not isinstance(self.attention, AttentionQuant):
+            raise ValueError("Recipe.attention must be an AttentionQuant (or None)")
+        if self.keep_first_blocks < 0 or self.keep_last_blocks < 0:
+            raise ValueError("Recipe.keep_first_blocks and keep_last_blocks must be >= 0")
+
+    @property
+    def quantizes(self) -> bool:
+        ops = [getattr(self, name) for name in LINEAR_OPERANDS]
+        return any(s is not None and s.format != "none" for s in ops)
+
+    def with_(self, **changes) -> Recipe:
+        """A copy with some fields changed (e.g. recipe("w4a4-rc").with_(compensation=...))."""
+        return replace(self, **changes)

@@ -31,6 +31,7 @@ import time
 import torch
 
 from fp4stack.kernels import adamw4 as kernels
+from fp4stack.kernels import adamw4_layout as layout
 from fp4stack.optim import AdamW4, Muon4
 
 
@@ -118,8 +119,8 @@ def compile_check() -> list[str]:
         report(f"pass sums full tiles={even}", build,
                kernels.SUMS_BM * kernels.SUMS_KB * 16 // (32 * kernels.SUMS_WARPS),
                kernels.SUMS_ITERS)
-    variants = [(kernels.CALIBRATE.value, "calibrate", False, True),
-                *((kernels.STEP.value, "step", decay, even)
+    variants = [(layout.CALIBRATE.value, "calibrate", False, True),
+                *((layout.STEP.value, "step", decay, even)
                   for decay in (True, False) for even in (True, False))]
     for pass_, name, decay, even in variants:
         consts = dict(PASS=pass_, DECAY=decay, EVEN=even, BM=kernels.BM, KB=kernels.KB,
@@ -128,7 +129,7 @@ def compile_check() -> list[str]:
                              maxnreg=kernels.STEP_MAXNREG, default="fp32")
         report(f"pass {name} decay={decay} full tiles={even}", build,
                kernels.BM * kernels.KB * 16 // (32 * kernels.NUM_WARPS), kernels.STEP_ITERS)
-    for mode, name in ((kernels.FACTORS.value, "factors"), (kernels.ROLL.value, "roll")):
+    for mode, name in ((layout.FACTORS.value, "factors"), (layout.ROLL.value, "roll")):
         build = compile_sm90(kernels.adamw4_factors_kernel,
                              dict(work_ptr="*i32", meta_ptr="*i64", scal_ptr="*fp32",
                                   sums_ptr="*fp64", roots_ptr="*fp32", inv_ptr="*fp32",

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fp4stack.models.gpt import GPT, GPTConfig
-from fp4stack.optim import AdamW4
+from fp4stack.optim import AdamW4, StateFormat
 from fp4stack.optim.state_transforms import TRANSFORMS
 
 Task = Callable[[int], tuple[nn.Module, Callable[[int], torch.Tensor], Callable[[], float]]]
@@ -144,15 +144,9 @@ def train(task: str, seed: int, steps: int, optimizer: str) -> tuple[float, floa
     if optimizer == "fp32":
         opt = torch.optim.AdamW(params, lr=lr, foreach=False)
     else:
-        transform, rounding, first, *scaling = optimizer.split("/")
-        extra = {}
-        if scaling and scaling[0] == "current":
-            extra["scaling"] = "current"
-        elif scaling:
-            extra["headroom"] = float(scaling[0][1:])
         # min_numel=0: the tiny models stand in for big ones, so every matrix is quantized.
-        opt = AdamW4(params, lr=lr, transform=transform, state_rounding=rounding,
-                     first_moment=first, min_numel=0, seed=seed, **extra)
+        opt = AdamW4(params, lr=lr, min_numel=0, seed=seed,
+                     state_format=state_format(optimizer))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     for step in range(steps):
@@ -165,6 +159,18 @@ def train(task: str, seed: int, steps: int, optimizer: str) -> tuple[float, floa
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     return evaluate(), state / n
+
+
+def state_format(name: str) -> StateFormat:
+    """The StateFormat that "transform/state_rounding/first_moment[/scaling]" names (scaling
+    "current" or "h<N>": delayed with headroom N; AdamW4's default unless given)."""
+    transform, rounding, first, *scaling = name.split("/")
+    extra = {}
+    if scaling and scaling[0] == "current":
+        extra["scaling"] = "current"
+    elif scaling:
+        extra["headroom"] = float(scaling[0][1:])
+    return StateFormat(transform=transform, rounding=rounding, first_moment=first, **extra)
 
 
 def _run(job: tuple[str, int, int, str]) -> tuple[float, float]:

@@ -11,14 +11,16 @@ from hypothesis import strategies as st
 import fp4stack
 import fp4stack.optim.adamw4 as adamw4_module
 from fp4stack.formats.tensor import NVFP4Tensor
-from fp4stack.optim import AdamW4
-from fp4stack.optim.adamw4 import DEFAULT_HEADROOM
+from fp4stack.optim import AdamW4, StateFormat
+from fp4stack.optim.adamw4_state import read_v
+from fp4stack.optim.state_format import DEFAULT_FORMAT
 from fp4stack.optim.state_transforms import TRANSFORMS, decode_state, encode_state, get_transform
 
 NAMES = list(TRANSFORMS)
 INCREASING = [n for n in NAMES if n != "rsqrt"]  # stored grows with v (rsqrt shrinks)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+DEFAULT_HEADROOM = DEFAULT_FORMAT.headroom
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -62,8 +64,8 @@ def roundtrip(v, name, rounding="rne", seed=0):
 @pytest.mark.parametrize("first_moment", ["direct", "normalized"])
 def test_states_are_packed_nvfp4_fields(first_moment):
     p = torch.nn.Parameter(randn(64, 256))
-    opt = AdamW4([p], transform="sqrt", state_rounding="rne", first_moment=first_moment,
-                 scaling="current")
+    opt = AdamW4([p], state_format=StateFormat(transform="sqrt", rounding="rne",
+                                               first_moment=first_moment, scaling="current"))
     g = randn(64, 256, seed=1)
     p.grad = g
     opt.step()
@@ -99,7 +101,7 @@ def test_states_are_packed_nvfp4_fields(first_moment):
 @pytest.mark.parametrize("transform", ["sqrt", "rank1"])
 def test_state_bytes_are_1_125_per_param_for_large_matrices(transform):
     p = torch.nn.Parameter(randn(256, 256))
-    opt = AdamW4([p], transform=transform)
+    opt = AdamW4([p], state_format=StateFormat(transform=transform))
     p.grad = randn(256, 256, seed=1)
     opt.step()
     n = p.numel()
@@ -194,7 +196,7 @@ def test_fp32_states_equal_torch_adamw_bit_for_bit(hp):
     grads = grad_stream(SHAPES, 8)
     grads[3][1] = None  # a parameter without a gradient is skipped
     ours, theirs = params_like(*init), params_like(*init)
-    run(AdamW4(ours, transform="none", **hp), ours, grads)
+    run(AdamW4(ours, state_format=StateFormat(transform="none"), **hp), ours, grads)
     run(torch.optim.AdamW(theirs, foreach=False, **hp), theirs, grads)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
@@ -208,7 +210,7 @@ def test_fp32_states_on_cuda_equal_torch_foreach_adamw_bit_for_bit():
     grads[2][0] = None
     ours, theirs = params_like(*init), params_like(*init)
     hp = dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    run(AdamW4(ours, transform="none", **hp), ours, grads)
+    run(AdamW4(ours, state_format=StateFormat(transform="none"), **hp), ours, grads)
     run(torch.optim.AdamW(theirs, foreach=True, **hp), theirs, grads)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
@@ -248,8 +250,8 @@ def test_first_step_is_torch_adamw_first_step(transform, rounding, first_moment)
     # Fresh states must decode to m = v = 0 whatever the transform (rsqrt stores v = 0 as 1/c).
     init, g = randn(64, 64), randn(64, 64, seed=1, scale=1e-3)
     ours, theirs = params_like(init, init)
-    run(AdamW4([ours], transform=transform, state_rounding=rounding,
-               first_moment=first_moment), [ours], [[g]])
+    fmt = StateFormat(transform=transform, rounding=rounding, first_moment=first_moment)
+    run(AdamW4([ours], state_format=fmt), [ours], [[g]])
     run(torch.optim.AdamW([theirs], foreach=False), [theirs], [[g]])
     # Within 2 ulps: the quantized path rounds sqrt exactly and orders ops its own way (see
     # quantized_update); decoding a fresh state wrongly would be far off.
@@ -269,7 +271,8 @@ def test_weight_decay_is_decoupled(transform):
     init = randn(64, 64)
     ours, theirs = params_like(init, init)
     grads = [[torch.zeros(64, 64)]] * 3
-    run(AdamW4([ours], lr=0.1, weight_decay=0.5, transform=transform), [ours], grads)
+    run(AdamW4([ours], lr=0.1, weight_decay=0.5, state_format=StateFormat(transform=transform)),
+        [ours], grads)
     run(torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.5, foreach=False), [theirs], grads)
     assert torch.equal(ours, theirs)
     assert torch.allclose(ours, init * 0.95**3)
@@ -278,12 +281,14 @@ def test_weight_decay_is_decoupled(transform):
 # ---- delayed scaling -------------------------------------------------------------------------
 
 
-def twin_scalings(steps, grads_at, shape=(64, 256), **options):
+def twin_scalings(steps, grads_at, shape=(64, 256), headroom=DEFAULT_HEADROOM, **options):
     """A delayed-scaling and a current-scaling AdamW4 fed the same gradients; yields
     (step, delayed state, current state, delayed param) after each step."""
     params = params_like(randn(*shape), randn(*shape))
-    delayed = AdamW4([params[0]], min_numel=0, **options)
-    current = AdamW4([params[1]], min_numel=0, scaling="current", **options)
+    delayed = AdamW4([params[0]], min_numel=0, state_format=StateFormat(headroom=headroom),
+                     **options)
+    current = AdamW4([params[1]], min_numel=0,
+                     state_format=StateFormat(scaling="current", headroom=headroom), **options)
     for step in range(1, steps + 1):
         for p, opt in zip(params, (delayed, current), strict=True):
             p.grad = grads_at(step)
@@ -343,7 +348,7 @@ def test_a_gradient_spike_saturates_then_the_scale_catches_up():
             # correction); with it (step 6), a few times more: bounded, not m / eps.
             assert torch.isfinite(moved).all() and float(moved.max()) < 1e-2 * 20
         if step == 7:
-            v, root = adamw4_module._read_v(delayed, get_transform("rank1"), p.shape)
+            v, root = read_v(delayed, get_transform("rank1"), p.shape)
             assert torch.isfinite(v).all() and (v > 0).all()
             assert torch.isfinite(p).all()
 
@@ -366,7 +371,7 @@ def test_a_state_saved_before_delayed_scaling_loads_and_steps():
     opt2 = AdamW4(restored, min_numel=0)
     opt2.load_state_dict({"state": {0: old}, "param_groups": groups})
     state = opt2.state[restored[0]]
-    assert opt2.param_groups[0]["scaling"] == "delayed"
+    assert opt2.state_format.scaling == "delayed"
     for name in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(state[f"{name}_next_amax"], DEFAULT_HEADROOM * state[f"{name}_amax"])
     torch.testing.assert_close(state["exp_avg_sq_row"], saved["state"][0]["exp_avg_sq_row"])
@@ -389,7 +394,7 @@ def test_state_dict_round_trip_continues_bit_identically():
         p.data = p.data.bfloat16()
     grads = [[g if p.dtype == torch.float32 else g.bfloat16() for g, p in zip(gs, params,
               strict=True)] for gs in grads]
-    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "transform": "rank1"}]
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}]
     opt = AdamW4(groups, min_numel=1024)
     run(opt, params, grads[:5])
     buf = io.BytesIO()
@@ -400,7 +405,7 @@ def test_state_dict_round_trip_continues_bit_identically():
     saved = torch.load(buf)
     restored = [torch.nn.Parameter(t) for t in saved["params"]]
     opt2 = AdamW4([{"params": restored[:2]},
-                   {"params": restored[2:], "lr": 3e-3, "transform": "rank1"}], min_numel=1024)
+                   {"params": restored[2:], "lr": 3e-3}], min_numel=1024)
     opt2.load_state_dict(saved["opt"])
     for p, q in zip(params, restored, strict=True):
         for k, v in opt2.state[q].items():
@@ -416,7 +421,7 @@ def test_each_parameter_draws_its_own_rounding():
     # Two identical parameters with identical gradients: same seed, different index, other bits.
     a, b = params_like(randn(64, 64), randn(64, 64))
     g = randn(64, 64, seed=1)
-    run(AdamW4([a, b], transform="sqrt"), [a, b], [[g, g], [g, g]])
+    run(AdamW4([a, b], state_format=StateFormat(transform="sqrt")), [a, b], [[g, g], [g, g]])
     assert not torch.equal(a, b)
 
 
@@ -464,12 +469,7 @@ def test_bf16_params_update_through_fp32():
     (dict(eps=-1e-8), "eps"),
     (dict(weight_decay=-0.1), "weight_decay"),
     (dict(betas=(0.9, 1.0)), "betas"),
-    (dict(transform="cube"), "unknown transform"),
-    (dict(state_rounding="floor"), "state_rounding"),
-    (dict(first_moment="sign"), "first_moment"),
-    (dict(scaling="static"), "scaling"),
-    (dict(headroom=0.5), "headroom"),
-    (dict(headroom=float("inf")), "headroom"),
+    (dict(state_format="rank1"), "state_format"),
     (dict(min_numel=-1), "min_numel"),
     (dict(seed=-3), "seed"),
     (dict(amsgrad=True), "amsgrad"),
@@ -484,9 +484,100 @@ def test_bad_arguments_raise(kwargs, match):
 
 def test_bad_group_option_raises():
     opt = AdamW4([torch.nn.Parameter(torch.zeros(4))])
-    with pytest.raises(ValueError, match="unknown transform"):
+    with pytest.raises(ValueError, match="'transform' is not a param-group option"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))], "transform": "x"})
     assert len(opt.param_groups) == 1
+
+
+# ---- the state format ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(transform="cube"), "unknown transform 'cube'"),
+    (dict(rounding="floor"), "rounding must be one of"),
+    (dict(first_moment="sign"), "first_moment must be one of"),
+    (dict(scaling="static"), "scaling must be one of"),
+    (dict(headroom=0.5), "headroom must be a finite number >= 1"),
+    (dict(headroom=float("inf")), "headroom must be a finite number >= 1"),
+    (dict(headroom=True), "headroom must be a finite number >= 1"),
+    (dict(headroom="4"), "headroom must be a finite number >= 1"),
+])
+def test_state_format_validates_each_field(fields, match):
+    with pytest.raises(ValueError, match=f"StateFormat: {match}"):
+        StateFormat(**fields)
+
+
+def test_state_format_is_frozen():
+    fmt = StateFormat(headroom=2)
+    assert fmt.headroom == 2.0 and isinstance(fmt.headroom, float)
+    with pytest.raises(AttributeError):
+        fmt.transform = "sqrt"
+
+
+def test_default_equals_an_explicit_default_state_format_bit_for_bit():
+    shapes = [(64, 128), (128,), (32, 48), (3, 16, 64)]
+    init = [randn(*s, seed=i) for i, s in enumerate(shapes)]
+    grads = grad_stream(shapes, 4)
+    explicit = StateFormat(transform="rank1", rounding="stochastic", first_moment="normalized",
+                           scaling="delayed", headroom=4.0)
+    runs = []
+    for fmt in (None, explicit):
+        params = params_like(*init)
+        opt = AdamW4(params, min_numel=1024, seed=5, **({} if fmt is None else
+                                                        {"state_format": fmt}))
+        run(opt, params, grads)
+        runs.append((params, opt))
+    (pa, oa), (pb, ob) = runs
+    assert oa.state_format == ob.state_format == DEFAULT_FORMAT
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+        assert oa.state[a].keys() == ob.state[b].keys()
+        for key, value in oa.state[a].items():
+            other = ob.state[b][key]
+            assert value.dtype == other.dtype, key
+            if value.dtype == torch.float8_e4m3fn:  # compared as bits
+                value, other = value.view(torch.uint8), other.view(torch.uint8)
+            assert torch.equal(value, other), key
+    assert "exp_avg_sq_row" in oa.state[pa[0]]
+
+
+def test_a_variant_is_reachable_through_state_format_only():
+    # The study's variants are not constructor options of their own...
+    with pytest.raises(TypeError, match="transform"):
+        AdamW4([torch.nn.Parameter(torch.zeros(64, 64))], transform="sqrt")
+    # ...but a StateFormat: it changes the stored states, is saved with them, and a loaded
+    # state_dict brings its format along (as torch restores a group's options).
+    variant = StateFormat(transform="sqrt", rounding="rne", first_moment="direct",
+                          scaling="current")
+    shapes = [(64, 64)]
+    grads = grad_stream(shapes, 6)
+    params = params_like(randn(64, 64))
+    opt = AdamW4(params, state_format=variant)
+    run(opt, params, grads[:3])
+    assert "exp_avg_data" in opt.state[params[0]]
+    assert "exp_avg_sq_row" not in opt.state[params[0]]  # no rank-1 factors with sqrt
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["transform"] == "sqrt"
+    assert saved["param_groups"][0]["state_rounding"] == "rne"
+    restored = params_like(params[0].detach())
+    opt2 = AdamW4(restored)
+    opt2.load_state_dict(saved)
+    assert opt2.state_format == variant and "transform" not in opt2.param_groups[0]
+    run(opt, params, grads[3:])
+    run(opt2, restored, grads[3:])
+    assert torch.equal(params[0], restored[0])
+    default = params_like(randn(64, 64))
+    run(AdamW4(default), default, grads)
+    assert not torch.equal(default[0], params[0])
+
+
+def test_a_state_dict_whose_groups_disagree_on_the_format_raises():
+    params = params_like(randn(64, 64), randn(64, 64))
+    opt = AdamW4([{"params": params[:1]}, {"params": params[1:]}])
+    saved = opt.state_dict()
+    saved["param_groups"][1]["transform"] = "sqrt"
+    with pytest.raises(ValueError, match="different state formats"):
+        AdamW4([{"params": params[:1]}, {"params": params[1:]}]).load_state_dict(saved)
 
 
 def test_sparse_gradients_raise():
@@ -540,7 +631,8 @@ def test_quadratic_follows_fp32_adamw(quadratic_fp32):
 
 def test_quadratic_rne_states_fall_behind(quadratic_fp32):
     # Measured: RNE state rounding ends about 3.6x above fp32 AdamW on the same problem.
-    rne = quadratic_losses(lambda p: AdamW4(p, lr=3e-2, weight_decay=0, state_rounding="rne"))
+    rne = quadratic_losses(lambda p: AdamW4(p, lr=3e-2, weight_decay=0,
+                                                      state_format=StateFormat(rounding="rne")))
     assert rne[-1] > 2 * quadratic_fp32[-1]
 
 
@@ -583,8 +675,8 @@ def stale_run(rounding, steps=300, lr=1e-3):
     """Steady state m = v = 1, then the odd columns' gradients stop. Returns the odd columns'
     mean decoded v and mean |m|, and how far their parameters moved."""
     p = torch.nn.Parameter(torch.zeros(64, 64))
-    opt = AdamW4([p], lr=lr, weight_decay=0, transform="sqrt", state_rounding=rounding,
-                 first_moment="direct")
+    fmt = StateFormat(transform="sqrt", rounding=rounding, first_moment="direct")
+    opt = AdamW4([p], lr=lr, weight_decay=0, state_format=fmt)
     p.grad = torch.ones(64, 64)
     opt.step()
     state = opt.state[p]
@@ -633,7 +725,8 @@ def row_movement(first_moment, steps=40):
         return p.detach().mean(1)
 
     ref = run_with(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0, foreach=False))
-    return run_with(lambda p: AdamW4(p, lr=1e-2, weight_decay=0, first_moment=first_moment)) / ref
+    fmt = StateFormat(first_moment=first_moment)
+    return run_with(lambda p: AdamW4(p, lr=1e-2, weight_decay=0, state_format=fmt)) / ref
 
 
 def test_rows_with_tiny_gradients_move_like_fp32_adamw():

@@ -15,7 +15,7 @@ import torch
 
 import fp4stack.kernels.adamw4 as fused_kernels
 import fp4stack.kernels.adamw4_step as fused_launch
-from fp4stack.optim import AdamW4
+from fp4stack.optim import AdamW4, StateFormat
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = (["cpu"] if INTERPRETED else []) + (["cuda"] if torch.cuda.is_available() else [])
@@ -228,9 +228,9 @@ def test_fused_equals_reference_across_groups_and_missing_grads(device, wide_til
         return not (i == 1 and step == 2) and i != 3
 
     runs = twin_runs([shapes_a, shapes_b],
-                     [{"lr": 3e-3, "weight_decay": 0.1},
-                      {"lr": 1e-2, "weight_decay": 0.0, "headroom": 2.0}],
-                     device, max(CHECK_AFTER), grad_pattern=pattern, min_numel=128, seed=7)
+                     [{"lr": 3e-3, "weight_decay": 0.1}, {"lr": 1e-2, "weight_decay": 0.0}],
+                     device, max(CHECK_AFTER), grad_pattern=pattern, min_numel=128, seed=7,
+                     state_format=StateFormat(headroom=2.0))
     for step, fused, reference in runs:
         if step in CHECK_AFTER:
             assert_same(fused, reference)
@@ -282,12 +282,14 @@ def test_fused_none_on_the_cpu_takes_the_reference(monkeypatch):
 
 @pytest.mark.parametrize("options, match", [
     (dict(transform="sqrt"), "transform='rank1'"),
-    (dict(state_rounding="rne"), "state_rounding='stochastic'"),
+    (dict(rounding="rne"), "rounding='stochastic'"),
     (dict(first_moment="direct"), "first_moment='normalized'"),
+    (dict(scaling="current"), "scaling='delayed'"),
 ])
 def test_fused_true_with_other_settings_raises(options, match):
     with pytest.raises(ValueError, match=match):
-        AdamW4([torch.nn.Parameter(torch.zeros(32, 64))], fused=True, **options)
+        AdamW4([torch.nn.Parameter(torch.zeros(32, 64))], fused=True,
+               state_format=StateFormat(**options))
 
 
 def test_fused_true_with_a_bf16_param_raises():

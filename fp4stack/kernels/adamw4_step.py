@@ -1,5 +1,5 @@
 """Launching the fused AdamW4 step (kernels/adamw4.py): the per-step scalars, the device tables
-of a set of tensors, the launch sequence of a step and its CUDA graph.
+of a set of tensors (kernels/adamw4_layout.py), the launch sequence of a step and its CUDA graph.
 
 `fused_step` is what AdamW4 calls; a `StepPlan` per set of tensors keeps the tables, scratch
 buffers and graphs alive between steps (AdamW4 owns the cache). The tilings are read from
@@ -18,6 +18,7 @@ from torch import Tensor
 from ..formats.random import lowbias32_int
 from ..formats.tensor import BLOCK
 from . import adamw4 as kern
+from . import adamw4_layout as layout
 from . import cdiv
 from .nvfp4 import _launch_options
 
@@ -55,7 +56,7 @@ class StepPlan:
         for i, (p, state, index) in enumerate(zip(params, states, indices, strict=True)):
             k = p.shape[-1]
             r = p.numel() // k
-            tensors = [p, *(state[f] for f in kern.FIELDS)]
+            tensors = [p, *(state[f] for f in layout.FIELDS)]
             ptrs = [t.data_ptr() for t in tensors]
             if (any(ptr % 16 for ptr in ptrs) or p.numel() >= 2**31
                     or not all(t.is_contiguous() for t in tensors)):
@@ -81,9 +82,9 @@ class StepPlan:
         self.roots = torch.zeros(scratch, dtype=torch.float32, device=device)
         self.inv = torch.zeros(scratch, dtype=torch.float32, device=device)
         self.pending = torch.zeros(2 * len(params), dtype=torch.float32, device=device)
-        self.scalars = torch.zeros(kern.NSCALARS, dtype=torch.float32, device=device)
+        self.scalars = torch.zeros(layout.NSCALARS, dtype=torch.float32, device=device)
         if device.type == "cuda":
-            self.scalar_host = torch.zeros(SCALAR_SLOTS, kern.NSCALARS,
+            self.scalar_host = torch.zeros(SCALAR_SLOTS, layout.NSCALARS,
                                            dtype=torch.float32).pin_memory()
             self.scalar_done = [torch.cuda.Event() for _ in range(SCALAR_SLOTS)]
         self.next_slot = 0
@@ -153,11 +154,11 @@ class StepPlan:
         step's amaxes], the step pass, the roll of factors and amaxes into the state."""
         self.sums.zero_()
         self._launch_sums()
-        self._launch_factors(kern.FACTORS_FIRST.value if first else kern.FACTORS.value)
+        self._launch_factors(layout.FACTORS_FIRST.value if first else layout.FACTORS.value)
         if first:
-            self._launch(kern.CALIBRATE.value)
-        self._launch(kern.STEP.value, decay)
-        self._launch_factors(kern.ROLL.value)
+            self._launch(layout.CALIBRATE.value)
+        self._launch(layout.STEP.value, decay)
+        self._launch_factors(layout.ROLL.value)
 
     def run(self, decay: bool, graphs: bool, first: bool = False) -> None:
         """One step. A first step calibrates the amaxes on its own v and m (kernels/adamw4.py)

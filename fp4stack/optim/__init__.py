@@ -2,5 +2,6 @@
 
 from .adamw4 import AdamW4
 from .muon4 import Muon4
+from .state_format import StateFormat
 
-__all__ = ["AdamW4", "Muon4"]
+__all__ = ["AdamW4", "Muon4", "StateFormat"]

@@ -7,19 +7,12 @@ m / (sqrt(v) + eps) into m / eps. A transform maps v to a non-negative `stored` 
 inside a block is smaller; the optimizer quantizes `stored` and reads v back through the inverse.
 
 Each transform is a pair `encode(v) -> stored`, `decode(stored) -> v` (fp32 in, fp32 out), exact
-inverses up to fp32 rounding. Quantization still rounds small stored values to zero; `floor_zeros`
-lifts each zero to the largest value it can stand for (`block_floor`). For the increasing
-transforms that means v is overestimated, a smaller (safe) step; for "rsqrt" it means a smaller
-v, a larger step, which is why rsqrt is kept only as a measured counter-example.
-
-| name    | stored            | v range a block keeps  | what limits it                     |
-|---------|-------------------|------------------------|-------------------------------------|
-| "v"     | v                 | 12x                    | the rest is floored                 |
-| "sqrt"  | sqrt(v)           | 144x                   | as above                            |
-| "pow4"  | v^(1/4)           | ~2e4x                  | 4x the relative error of stored     |
-| "log"   | log(v+t) - log(t) | all, absolute grid     | steps of max/3 in log v: e^20 wide  |
-| "rsqrt" | 1/(sqrt(v)+c)     | 144x from the smallest | large v read back too small         |
-| "rank1" | sqrt(v / n)       | 144x around n          | what the rank-1 estimate n misses   |
+inverses up to fp32 rounding: "v" (v itself: a block keeps a 12x range of v), "sqrt" (144x),
+"pow4" (v^(1/4): ~2e4x, at 4x the relative error), "log" (log(v + t) - log(t): an absolute
+grid), "rsqrt" (1 / (sqrt(v) + c)) and "rank1". Quantization still rounds small stored values to
+zero; `floor_zeros` lifts each zero to the largest value it can stand for (`block_floor`). For
+the increasing transforms that means v is overestimated, a smaller (safe) step; for "rsqrt" it
+means a smaller v, a larger step, which is why rsqrt is kept only as a measured counter-example.
 
 "rank1" (after lpmm's rank-1 normalisation, with Adafactor's estimate) divides v by the outer
 product n = R C^T / mean(v) of its row and column means, whose square roots it keeps in fp32
@@ -27,7 +20,7 @@ product n = R C^T / mean(v) of its row and column means, whose square roots it k
 v ~ delta^2 x^2, spanning as many decades along a block as the inputs x do, and across rows as
 the rows' gradients do) never reaches the quantizer. It stores sqrt(v) x (1 / sqrt(n)) and
 reads the root of v back as stored x sqrt(n), so decoding rounds no square root of its own.
-Measured in experiments/study_adamw4_transforms.py (see adamw4.py).
+How the transforms compare in training: docs/results/optimizers.md.
 
 Rounding is pinned down so that the fused Triton step (fp4stack/kernels/adamw4.py) gives the same
 bits: square roots are correctly rounded (`sqrt_rn`), and the roots of the rank-1 factors come

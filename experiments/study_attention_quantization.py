@@ -145,7 +145,8 @@ def capture_hf(name: str, tokens: int, device: str = "cpu") -> list[tuple[torch.
     import torch.nn.functional as F
     from transformers import AttentionInterface
 
-    from fp4stack.analysis.sample_models import load, text_batch
+    from fp4stack.analysis.sample_models import text_batch
+    from fp4stack.models.hf import load
 
     lm = load(name)
     model = lm.model.to(device).eval()

@@ -19,9 +19,9 @@ import statistics
 
 import torch
 
-from fp4stack.analysis.sample_models import load
 from fp4stack.api import fake_quantize
 from fp4stack.formats.spec import QuantSpec
+from fp4stack.models.hf import load
 
 SPECS = {"1x16": QuantSpec(), "16x16": QuantSpec(block=(16, 16))}
 

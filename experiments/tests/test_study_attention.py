@@ -71,7 +71,7 @@ def test_capture_hf_records_every_layer_after_rope():
     """--model: one (q, k, v, dO) per attention layer of a Hugging Face Llama, K/V heads
     repeated to the query heads, dO the LM loss's gradient (nonzero), all float64."""
     pytest.importorskip("transformers")
-    from fp4stack.analysis.sample_models import tiny_dense
+    from fp4stack.models.hf import tiny_dense
 
     config = tiny_dense().model.config
     got = study.capture_hf("tiny-dense", tokens=40)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import backend_for, dequantize, quantize
+from ..device import resolve_device
 from ..formats.fp8 import dequantize_fp8, quantize_fp8
 from ..formats.hadamard import rht_inverse
 
@@ -205,16 +206,6 @@ def measure(x: torch.Tensor, method: Method, seed: int = 0, distribution: str = 
     x_hat, nbytes = method.run(x, seed)
     rel = relative_error(x_hat, x)
     return ErrorRow(distribution, method.key, rel, sqnr_db(rel), 8.0 * nbytes / x.numel())
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """A torch.device from a name; "auto" means CUDA when available, else the CPU."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} requested but CUDA is not available here")
-    return dev
 
 
 def error_table(

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..train.config import _float, _int, check_keys
+from ..config_fields import check_float, check_int, check_keys
 from .rollout import PRECISIONS
 
 TRAINERS = ("bf16", "qat-w")
@@ -80,10 +80,10 @@ class RLConfig:
                               ("micro_batch_size", 1), ("max_new_tokens", 1),
                               ("eval_every", 0), ("eval_size", 1), ("eval_pass_k", 0),
                               ("seed", 0)):
-            _int(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum)
         for name in ("sft_lr", "lr", "weight_decay", "grad_clip", "clip_low", "clip_high",
                      "kl_coef", "alarm_k3", "temperature", "correction_cap", "max_minutes"):
-            setattr(self, name, _float(name, getattr(self, name)))
+            setattr(self, name, check_float(name, getattr(self, name)))
         if not 0 < float(self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 < float(self.compensation) <= 1:

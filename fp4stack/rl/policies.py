@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config_fields import suggest
 from ..data.char_tokenizer import CharTokenizer
 from ..data.tasks import Task
 from ..models.gpt import GPT
 from ..models.upcycle import moe_aux_loss, upcycle_gpt, upcycle_hf
-from ..train.config import MODEL_PRESETS, _suggest
+from ..train.config import MODEL_PRESETS
 from . import policy as lm
 
 # GPTConfig.aux_loss_coef's default: HF's router_aux_loss_coef scale (see load_balance_loss).
@@ -32,7 +33,7 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
         preset = spec.pop("preset", "tiny-moe")
         if preset not in MODEL_PRESETS:
             raise ValueError(f"policy.preset {preset!r} is unknown"
-                             f"{_suggest(preset, MODEL_PRESETS)}; choose one of "
+                             f"{suggest(preset, MODEL_PRESETS)}; choose one of "
                              f"{sorted(MODEL_PRESETS)}")
         spec.setdefault("max_seq_len", max_len)
         torch.manual_seed(seed)
@@ -43,7 +44,7 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
         if upcycle:
             model = upcycle_gpt(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
         return model, tokenizer
-    from ..analysis.sample_models import hf_directory, smollm2
+    from ..models.hf import hf_directory, smollm2
 
     loaded = smollm2() if kind == "smollm2" else hf_directory(spec["path"])
     if loaded.tokenizer is None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..convert import quantize_model
 from ..data.tasks import Example, Task, load_task, pass_at_k
+from ..device import resolve_device
 from ..nn.moe import replay_routing
 from ..train.metrics import MetricsLogger
 from . import policy as lm
@@ -32,12 +33,6 @@ from .policies import build_policy, encode_example, sft_warmup
 from .rollout import Rollout, RolloutEngine
 
 SFT_FILE = "sft_policy.pt"
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def prepare_policy(cfg: RLConfig, task: Task, device: torch.device, cache_dir: Path | None,
@@ -138,7 +133,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
 
 def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import resolve_device
+
 
 @dataclass
 class DistEnv:
@@ -32,25 +34,13 @@ class DistEnv:
         return self.world_size > 1
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """auto: cuda (this process's GPU under torchrun) when available, else cpu."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        name = f"cuda:{local_rank}"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use device: cpu")
-    return device
-
-
 def setup(device_name: str) -> DistEnv:
     """Join the torchrun process group if there is one (or reuse an initialised one)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
     if world <= 1:
-        return DistEnv(0, 1, 0, resolve_device(device_name), owns_group=False)
+        return DistEnv(0, 1, 0, resolve_device(device_name, local_rank=0), owns_group=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name, local_rank)
     owns = not dist.is_initialized()

@@ -1,7 +1,7 @@
 """fp4stack: stable, fast NVFP4 training of large language models."""
 
 from .api import dequantize, fake_quantize, quantize
-from .checkpoint import load_quantized, save_quantized
+from .compressed_tensors import load_quantized, save_quantized
 from .convert import ConversionSummary, quantize_model
 from .formats import (
     FP8Tensor,

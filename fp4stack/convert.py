@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .nn.fused import FUSED_GROUPS
 from .nn.linear import QuantLinear
 from .nn.moe import Experts
 from .nn.quant_experts import QuantExperts, QuantHFExperts, is_hf_fused_experts
@@ -24,8 +25,6 @@ from .nn.recipe import recipe as get_recipe
 
 _QUANTIZED = (QuantLinear, QuantExperts, QuantHFExperts)
 DEFAULT_SKIP = ("lm_head", "embed", "router", "wte", "wpe")
-# Sibling projections that an inference engine fuses into one GEMM, so they share a global amax.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 

@@ -20,8 +20,9 @@ from torch import nn
 
 import fp4stack
 from fp4stack import QuantLinear, QuantSpec
-from fp4stack.checkpoint import load_quantized, save_quantized
+from fp4stack.compressed_tensors import load_quantized, save_quantized
 from fp4stack.formats import e2m1
+from fp4stack.nn.fused import FUSED_GROUPS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -411,6 +412,30 @@ def test_unfused_sibling_scales_warn(tmp_path):
         setattr(model[0], n, QuantLinear.from_linear(getattr(model[0], n), "qat-w"))
     with pytest.warns(UserWarning, match="different weight global scales"):
         save_quantized(model, tmp_path)
+
+
+@pytest.mark.parametrize("group", FUSED_GROUPS)
+def test_every_fused_group_is_shared_by_conversion_and_checked_by_the_export(tmp_path, group):
+    def block():
+        torch.manual_seed(0)
+        parent = nn.Module()
+        for i, n in enumerate(group):
+            setattr(parent, n, nn.Linear(32, 32))
+            with torch.no_grad():
+                getattr(parent, n).weight.mul_(i + 1)
+        return nn.Sequential(parent)
+
+    unfused = block()
+    for n in group:  # converted one by one: no shared amax
+        setattr(unfused[0], n, QuantLinear.from_linear(getattr(unfused[0], n), "w4a4"))
+    with pytest.warns(UserWarning, match="different weight global scales"):
+        save_quantized(unfused, tmp_path / "unfused", weight_only=True)
+    fused = block()
+    fp4stack.quantize_model(fused, "w4a4")
+    assert len({getattr(fused[0], n).packed_weight.amax.item() for n in group}) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_quantized(fused, tmp_path / "fused", weight_only=True)
 
 
 def test_errors_on_load(tmp_path):

@@ -371,3 +371,60 @@ def test_bad_scoped_names_say_what_exists():
         recipe("nvfp4@")
     with pytest.raises(ValueError, match="unknown recipe 'nvfp5'.*@SCOPE"):
         recipe("nvfp5@forward")
+
+
+def refreshed_layer(seed=0):
+    torch.manual_seed(seed)
+    return QuantLinear.from_linear(torch.nn.Linear(64, 48), recipe("lowrank").with_(
+        lowrank=fp4stack.LowRank(rank=4, refresh_every=3)))
+
+
+def test_lowrank_forwards_are_saved_and_restored_through_the_state_dict():
+    layer, x = refreshed_layer().train(), data()[0]
+    for _ in range(4):
+        layer(x)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert state["lowrank_forwards"].dtype == torch.int64 and int(state["lowrank_forwards"]) == 4
+    restored = refreshed_layer(seed=1).train()
+    restored.load_state_dict(state)
+    assert int(restored.lowrank_forwards) == 4
+    with torch.no_grad():  # the weight moves, so the next refresh (forward 6) changes the branch
+        layer.weight.mul_(2.0)
+        restored.weight.mul_(2.0)
+    for n in (5, 6, 7):
+        before = restored.lowrank_a.clone()
+        layer(x)
+        restored(x)
+        assert torch.equal(restored.lowrank_a, layer.lowrank_a)
+        assert torch.equal(restored.lowrank_a, before) == (n != 6)
+    # A load rewinds a layer that has counted on: its next forward continues from the state.
+    layer.load_state_dict(state)
+    layer(x)
+    assert int(layer.lowrank_forwards) == 5
+
+
+def test_a_state_dict_without_the_counter_loads_and_counts_from_zero():
+    layer, x = refreshed_layer().train(), data()[0]
+    layer(x)
+    old = {k: v for k, v in layer.state_dict().items() if k != "lowrank_forwards"}
+    fresh = refreshed_layer(seed=1)
+    fresh.load_state_dict(old)  # strict: the missing counter is not an error
+    assert int(fresh.lowrank_forwards) == 0 and torch.equal(fresh.lowrank_a, layer.lowrank_a)
+    layer.load_state_dict({"bias": layer.bias.detach()}, strict=False)  # a partial load
+    assert int(layer.lowrank_forwards) == 1
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*\"weight\""):
+        fresh.load_state_dict({k: v for k, v in old.items() if k != "weight"})
+
+
+@pytest.mark.parametrize("lowrank", [None, fp4stack.LowRank(rank=4, trainable=True),
+                                     fp4stack.LowRank(rank=4, refresh_every=0)])
+def test_only_a_refreshed_branch_has_a_counter(lowrank):
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), recipe("lowrank").with_(
+        lowrank=lowrank))
+    assert "lowrank_forwards" not in layer.state_dict()
+
+
+def test_eval_forwards_are_not_counted():
+    layer, x = refreshed_layer().eval(), data()[0]
+    layer(x)
+    assert int(layer.lowrank_forwards) == 0

@@ -144,12 +144,24 @@ def test_constructor_accepts_valid_parts_and_normalizes_shape():
         t.amax = torch.tensor(2.0)  # frozen
 
 
-def test_to_cpu_and_dequantize_method():
+def test_to_cpu():
     t = fp4stack.quantize(randn(6, 48), four_over_six=True)
     moved = t.to("cpu")
     assert moved.device == torch.device("cpu")
     assert_same(moved, t)
-    assert torch.equal(t.dequantize(torch.bfloat16), fp4stack.dequantize(t, torch.bfloat16))
+
+
+def test_dequantize_goes_through_the_backend_dispatch(monkeypatch):
+    # One way to read an NVFP4Tensor back: fp4stack.dequantize, which picks the backend of the
+    # tensor's device (Triton for CUDA tensors); the data class itself knows no backend.
+    from fp4stack import api, kernels
+
+    t = fp4stack.quantize(randn(4, 32))
+    assert not hasattr(t, "dequantize")
+    calls = []
+    monkeypatch.setattr(api, "backend_for", lambda device: "triton")
+    monkeypatch.setattr(kernels, "dequantize", lambda t, dtype: calls.append(dtype) or "kernel")
+    assert fp4stack.dequantize(t, torch.bfloat16) == "kernel" and calls == [torch.bfloat16]
 
 
 def test_decode_scale_is_amax_times_reciprocal():

@@ -30,6 +30,8 @@ class NVFP4Tensor:
     amax:   float32 0-d tensor, the global amax the two-level scale was built from.
     shape:  the logical shape of the quantized tensor (padding removed on dequantize).
     spec:   how it was quantized (block shape, transform, 4/6), needed to read it back.
+
+    `fp4stack.dequantize(t, dtype)` reads the values back, with the backend for t's device.
     """
 
     data: torch.Tensor
@@ -84,11 +86,6 @@ class NVFP4Tensor:
             scales=self.scales.to(device),
             amax=self.amax.to(device),
         )
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .nvfp4 import dequantize
-
-        return dequantize(self, dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"data": self.data, "scales": self.scales, "amax": self.amax}

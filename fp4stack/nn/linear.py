@@ -16,7 +16,9 @@ from ..api import dequantize, fake_quantize, quantize
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from . import compensation as rc
+from .fused import shared_amax
 from .lowrank import lowrank_factors
+from .packed import PackedSlot, PackedState
 from .recipe import Recipe
 from .recipe import recipe as get_recipe
 
@@ -119,13 +121,15 @@ def _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels, 
     return y + bias if bias is not None else y
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(PackedState, nn.Module):
     """Drop-in for nn.Linear whose GEMMs follow a Recipe.
 
     weight_storage="master": the weight is a trainable Parameter, quantized on every forward (the
-    trainer's view). "packed": it is held as an NVFP4Tensor (buffers weight_data, weight_scales,
-    weight_global_amax) and dequantized on the fly (the rollout's view); `pack()` converts.
-    `weight_amax` imposes a global amax shared with sibling layers (fused q/k/v, gate/up).
+    trainer's view). "packed": it is held as the packed NVFP4Tensor "weight" (buffers weight_data,
+    weight_scales, weight_global_amax; see `PackedState`) and dequantized on the fly (the
+    rollout's view); `pack()` converts. `weight_amax` imposes a global amax shared with sibling
+    layers (fused q/k/v, gate/up). A low-rank branch refreshed every n training forwards counts
+    them in the buffer `lowrank_forwards`, saved with the weights.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -148,13 +152,12 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.recipe = recipe
         self.weight, self.bias = weight, bias
-        self.packed_spec: QuantSpec | None = None
         self.register_buffer("weight_amax", None)
         self.amax_group: list[QuantLinear] | None = None  # siblings sharing one global amax
         self.register_buffer("x_amax", None)  # calibrated static activation amax
         self.register_buffer("rc_channels", None)  # calibrated compensation channels
         self._calibration: dict | None = None
-        self._steps = 0
+        self._forwards: int | None = None  # host copy of lowrank_forwards; None: read it again
         if recipe.lowrank is not None:
             a, b = lowrank_factors(weight, recipe.w, recipe.lowrank.rank)
             if recipe.lowrank.trainable:
@@ -162,14 +165,16 @@ class QuantLinear(nn.Module):
             else:
                 self.register_buffer("lowrank_a", a)
                 self.register_buffer("lowrank_b", b)
+            if _refreshes(recipe):
+                self.register_buffer("lowrank_forwards",
+                                     torch.zeros((), dtype=torch.int64, device=weight.device))
 
     # ---- weights -------------------------------------------------------------------------
     def shared_weight_amax(self) -> torch.Tensor | None:
         """The global amax this layer's weight is quantized with, when it is imposed: the max over
         its amax group's current master weights (fused q/k/v, gate/up), else `weight_amax`."""
         if self.amax_group is not None and self.weight is not None:
-            return torch.stack([m.weight.detach().abs().amax().float() for m in self.amax_group
-                                if m.weight is not None]).amax()
+            return shared_amax(m.weight for m in self.amax_group if m.weight is not None)
         return self.weight_amax
 
     @torch.no_grad()
@@ -178,20 +183,21 @@ class QuantLinear(nn.Module):
         if self.weight is None:
             return
         t = quantize(self.weight.detach(), spec=self.recipe.w, amax=self.shared_weight_amax())
-        self.register_buffer("weight_data", t.data)
-        self.register_buffer("weight_scales", t.scales)
-        self.register_buffer("weight_global_amax", t.amax)
-        self.packed_spec = t.spec
+        self.register_packed(PackedSlot("weight", master="weight", shape=t.shape, spec=t.spec),
+                             [t])
         del self.weight
         self.weight = None
 
     @property
     def packed_weight(self) -> NVFP4Tensor | None:
         """The NVFP4Tensor of a packed layer (None while it holds a master weight)."""
-        if self.weight is not None:
-            return None
-        return NVFP4Tensor(self.weight_data, self.weight_scales, self.weight_global_amax,
-                           torch.Size((self.out_features, self.in_features)), self.packed_spec)
+        return self.read_packed("weight") if self.weight is None else None
+
+    @property
+    def packed_spec(self) -> QuantSpec | None:
+        """The spec of the packed weight (None while the layer holds a master weight)."""
+        slot = self.packed_slots().get("weight")
+        return slot.spec if slot is not None else None
 
     def quantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Q(W): the exact values the forward multiplies by."""
@@ -229,11 +235,43 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _maybe_refresh(self) -> None:
-        lr = self.recipe.lowrank
-        if self.training and not lr.trainable and lr.refresh_every:
-            self._steps += 1
-            if self._steps % lr.refresh_every == 0:
-                self.refresh_lowrank()
+        if not (self.training and _refreshes(self.recipe)):
+            return
+        # Counted on the host, so that deciding a refresh costs no device sync; the buffer gets
+        # each new count (no sync either) and is read back only after a load.
+        n = self._lowrank_count() + 1
+        self._forwards = n
+        self.lowrank_forwards.fill_(n)
+        if n % self.recipe.lowrank.refresh_every == 0:
+            self.refresh_lowrank()
+
+    # The pretraining trainer's state.json counters read and set this; the state dict carries
+    # the count now, so it goes once the trainer relies on that.
+    @property
+    def _steps(self) -> int:
+        return self._lowrank_count() if "lowrank_forwards" in self._buffers else 0
+
+    @_steps.setter
+    def _steps(self, n: int) -> None:
+        if "lowrank_forwards" in self._buffers:
+            self._forwards = n
+            self.lowrank_forwards.fill_(n)
+
+    def _lowrank_count(self) -> int:
+        if self._forwards is None:
+            self._forwards = int(self.lowrank_forwards)
+        return self._forwards
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "lowrank_forwards"
+        if key in missing_keys:
+            # State saved before the counter was module state: not an error; the layer keeps
+            # its own count (0 in a fresh one).
+            missing_keys.remove(key)
+        self._forwards = None
 
     # ---- calibration ---------------------------------------------------------------------
     def start_calibration(self) -> None:
@@ -244,7 +282,7 @@ class QuantLinear(nn.Module):
         """Fix the static activation amax and (static mode) the compensation channels."""
         if self._calibration is None:
             raise RuntimeError("finish_calibration() called without start_calibration()")
-        dev = self.weight.device if self.weight is not None else self.weight_data.device
+        dev = (self.weight if self.weight is not None else self.packed_weight).device
         self.x_amax = self._calibration["amax"].to(dev)
         if self.recipe.compensation is not None:
             k = self.recipe.compensation.count(self.in_features)
@@ -256,3 +294,9 @@ class QuantLinear(nn.Module):
         packed = ", packed" if self.weight is None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, recipe={self.recipe.name}{packed}")
+
+
+def _refreshes(recipe: Recipe) -> bool:
+    # A low-rank branch refitted from W - Q(W) every `refresh_every` training forwards.
+    lr = recipe.lowrank
+    return lr is not None and not lr.trainable and lr.refresh_every > 0

@@ -15,45 +15,43 @@ from ..api import dequantize, quantize
 from ..formats.tensor import NVFP4Tensor
 from .linear import quant_linear
 from .moe import Experts
+from .packed import PackedSlot, PackedState
 from .recipe import Recipe
 
 _PROJS = ("gate_up", "down")
 
 
-class ExpertQuantization:
+class ExpertQuantization(PackedState):
     """Mixin: `recipe`, optional packed storage, and the quantized per-expert GEMM."""
 
     recipe: Recipe
 
     def _init_quantization(self, recipe: Recipe) -> None:
         self.recipe = recipe
-        self.packed_spec = None
         if recipe.weight_storage == "packed":
             self.pack()
 
     @torch.no_grad()
     def pack(self) -> None:
-        """Hold every expert weight as packed NVFP4 (buffers <proj>_data/_scales/_amax)."""
+        """Hold every expert weight as packed NVFP4: per projection a stack with one tensor per
+        expert (buffers <proj>_data, <proj>_scales, <proj>_amax; see `PackedState`)."""
         for proj in _PROJS:
-            w = getattr(self, f"{proj}_proj")
+            master = f"{proj}_proj"
+            w = getattr(self, master)
             ts = [quantize(w[e].detach(), spec=self.recipe.w) for e in range(w.shape[0])]
-            self.register_buffer(f"{proj}_data", torch.stack([t.data for t in ts]))
-            self.register_buffer(f"{proj}_scales", torch.stack([t.scales for t in ts]))
-            self.register_buffer(f"{proj}_amax", torch.stack([t.amax for t in ts]))
-            self.packed_spec = ts[0].spec
-            delattr(self, f"{proj}_proj")
-            setattr(self, f"{proj}_proj", None)
+            self.register_packed(PackedSlot(proj, master=master, shape=ts[0].shape,
+                                            spec=ts[0].spec, amax_key="amax", count=len(ts)), ts)
+            delattr(self, master)
+            setattr(self, master, None)
 
     def packed_expert(self, proj: str, e: int) -> NVFP4Tensor:
-        data = getattr(self, f"{proj}_data")[e]
-        shape = torch.Size((data.shape[0], getattr(self, f"{proj}_scales").shape[-1] * 16))
-        return NVFP4Tensor(data, getattr(self, f"{proj}_scales")[e],
-                           getattr(self, f"{proj}_amax")[e], shape, self.packed_spec)
+        """Expert `e`'s packed weight of projection `proj` ("gate_up" or "down")."""
+        return self.read_packed(proj, e)
 
     def quant_expert_linear(self, x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
         w = getattr(self, f"{proj}_proj")
         if w is None:
-            packed = dequantize(self.packed_expert(proj, e), x.dtype)
+            packed = dequantize(self.read_packed(proj, e), x.dtype)
             return quant_linear(x, None, None, self.recipe, packed=packed)
         return quant_linear(x, w[e], None, self.recipe)
 

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from ..api import dequantize, fake_quantize, quantize
+from ..nn.fused import shared_amax
 from ..nn.linear import QuantLinear
-from ..nn.quant_experts import ExpertQuantization
+from ..nn.packed import PackedSlot, PackedState
 
 _MIX = 0x9E3779B1  # odd multiplier: spreads positions over the 32-bit range
 
@@ -65,14 +66,23 @@ def _trainer_weight(trainer: nn.Module, name: str) -> Tensor:
                           "trainer and engine built from the same model?")
 
 
-def _group_amax(trainer: nn.Module, engine_layer: QuantLinear, prefix: str,
-                groups: dict[str, list[str]]) -> Tensor | None:
-    # The same formula as QuantLinear.shared_weight_amax: max over the group of each amax.
+def _group_amax(trainer: nn.Module, prefix: str, groups: dict[str, list[str]]) -> Tensor | None:
     members = groups.get(prefix)
     if members is None:
         return None
-    return torch.stack([_trainer_weight(trainer, m + ".weight").abs().amax().float()
-                        for m in members]).amax()
+    return shared_amax(_trainer_weight(trainer, m + ".weight") for m in members)
+
+
+def _pack_slot(trainer: nn.Module, p: str, slot: PackedSlot,
+               amax: Tensor | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    # The engine buffers of `slot` holding the trainer's master weight quantized, and per entry
+    # the checksum of the values the trainer multiplies by.
+    w = _trainer_weight(trainer, p + slot.master)
+    parts = [w] if slot.count is None else list(w)
+    state = slot.state([quantize(x, spec=slot.spec, amax=amax) for x in parts])
+    sums = {p + entry: _checksum(fake_quantize(x, spec=slot.spec, amax=amax))
+            for entry, x in zip(slot.entries(), parts, strict=True)}
+    return {p + k: v for k, v in state.items()}, sums
 
 
 @torch.no_grad()
@@ -80,38 +90,28 @@ def export_weights(trainer: nn.Module, engine: nn.Module,
                    amax_groups: list[list[str]] = ()) -> WeightUpdate:
     """The update that makes `engine` (a converted copy of the policy) hold `trainer`'s weights.
 
-    Packed engine layers get NVFP4 data, scales and amax quantized here from the trainer's master
-    weight (fused groups in `amax_groups` share one amax); every other engine tensor is copied.
+    Packed engine tensors (`PackedState`) get NVFP4 data, scales and amax quantized here from the
+    trainer's master weight (fused groups in `amax_groups` share one amax); every other engine
+    tensor is copied.
     """
     groups = {name: members for members in amax_groups for name in members}
     update = WeightUpdate()
     sums: dict[str, Tensor] = {}
     packed = set()
     for prefix, module in engine.named_modules():
+        slots = module.packed_slots() if isinstance(module, PackedState) else {}
+        if not slots:
+            continue
         p = f"{prefix}." if prefix else ""
-        if isinstance(module, QuantLinear) and module.weight is None:
-            w = _trainer_weight(trainer, p + "weight")
-            amax = _group_amax(trainer, module, prefix, groups)
-            t = quantize(w, spec=module.recipe.w, amax=amax)
-            update.tensors.update({p + "weight_data": t.data, p + "weight_scales": t.scales,
-                                   p + "weight_global_amax": t.amax})
-            if module.weight_amax is not None:
-                update.tensors[p + "weight_amax"] = t.amax
-            sums[p + "weight"] = _checksum(
-                fake_quantize(w, spec=module.recipe.w, amax=amax))
-            packed.update(p + s for s in ("weight_data", "weight_scales", "weight_global_amax",
-                                          "weight_amax"))
-        elif isinstance(module, ExpertQuantization) and module.packed_spec is not None:
-            for proj in ("gate_up", "down"):
-                w = _trainer_weight(trainer, f"{p}{proj}_proj")
-                ts = [quantize(w[e], spec=module.recipe.w) for e in range(w.shape[0])]
-                update.tensors[f"{p}{proj}_data"] = torch.stack([t.data for t in ts])
-                update.tensors[f"{p}{proj}_scales"] = torch.stack([t.scales for t in ts])
-                update.tensors[f"{p}{proj}_amax"] = torch.stack([t.amax for t in ts])
-                for e in range(w.shape[0]):
-                    sums[f"{p}{proj}[{e}]"] = _checksum(
-                        fake_quantize(w[e], spec=module.recipe.w))
-                packed.update(f"{p}{proj}_{s}" for s in ("data", "scales", "amax"))
+        amax = _group_amax(trainer, prefix, groups)
+        for slot in slots.values():
+            state, slot_sums = _pack_slot(trainer, p, slot, amax)
+            if isinstance(module, QuantLinear) and module.weight_amax is not None:
+                # The amax a packed layer imposes is its packed weight's.
+                state[p + "weight_amax"] = state[p + slot.keys[2]]
+            update.tensors.update(state)
+            sums.update(slot_sums)
+            packed.update(state)
     engine_only = {"x_amax", "rc_channels"}  # calibrated by the engine itself
     for name, current in engine.state_dict().items():
         if name in packed or name.rpartition(".")[2] in engine_only:
@@ -138,14 +138,10 @@ def load_weights(engine: nn.Module, update: WeightUpdate) -> int:
         state[name].copy_(t)
     sums: dict[str, Tensor] = {}
     for prefix, module in engine.named_modules():
-        p = f"{prefix}." if prefix else ""
-        if isinstance(module, QuantLinear) and module.weight is None:
-            sums[p + "weight"] = _checksum(dequantize(module.packed_weight, torch.float32))
-        elif isinstance(module, ExpertQuantization) and module.packed_spec is not None:
-            for proj in ("gate_up", "down"):
-                for e in range(getattr(module, f"{proj}_data").shape[0]):
-                    w = dequantize(module.packed_expert(proj, e), torch.float32)
-                    sums[f"{p}{proj}[{e}]"] = _checksum(w)
+        if isinstance(module, PackedState):
+            p = f"{prefix}." if prefix else ""
+            for entry, t in module.packed_tensors():
+                sums[p + entry] = _checksum(dequantize(t, torch.float32))
     for name, t in engine.state_dict().items():
         if name in update.checksums:
             sums[name] = _checksum(t)

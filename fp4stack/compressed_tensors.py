@@ -39,14 +39,13 @@ from .api import dequantize, quantize
 from .formats.nvfp4 import global_encode_scale
 from .formats.spec import QuantSpec
 from .formats.tensor import NVFP4Tensor
+from .nn.fused import FUSED_GROUPS
 from .nn.linear import QuantLinear
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 FORMAT = "nvfp4-pack-quantized"
 _META_KEY = "fp4stack.nvfp4"
-# Projections that vLLM fuses into one GEMM with one global scale (its packed_modules_mapping).
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
@@ -74,9 +73,8 @@ def _weight_tensor(name: str, layer: QuantLinear) -> NVFP4Tensor:
     spec and imposed amax, as the forward does)."""
     t = layer.packed_weight
     if t is None:
-        amax = (layer.shared_weight_amax() if hasattr(layer, "shared_weight_amax")
-                else layer.weight_amax)
-        t = quantize(layer.weight.detach(), spec=layer.recipe.w, amax=amax, name=name)
+        t = quantize(layer.weight.detach(), spec=layer.recipe.w, amax=layer.shared_weight_amax(),
+                     name=name)
     return t
 
 
@@ -184,7 +182,7 @@ def _base_config(model: nn.Module, config) -> dict[str, Any]:
 
 
 def _warn_unfused(scales: dict[str, torch.Tensor], kind: str) -> None:
-    for group in _FUSED:
+    for group in FUSED_GROUPS:
         parents = {n.rpartition(".")[0] for n in scales if n.rpartition(".")[2] == group[0]}
         for parent in parents:
             names = [_join(parent, g) for g in group]
@@ -346,10 +344,8 @@ def _layer_tensor(name: str, layer: QuantLinear, tensors: dict[str, torch.Tensor
 @torch.no_grad()
 def _fill(layer: QuantLinear, t: NVFP4Tensor, x_amax: torch.Tensor | None) -> None:
     if layer.weight is None:
-        dev = layer.weight_data.device
-        layer.weight_data.copy_(t.data.to(dev))
-        layer.weight_scales.copy_(t.scales.to(dev))
-        layer.weight_global_amax.copy_(t.amax.to(dev))
+        layer.write_packed("weight", [t])
+        dev = layer.packed_weight.device
     else:
         dev = layer.weight.device
         layer.weight.copy_(dequantize(t.to(dev), layer.weight.dtype))

@@ -26,17 +26,12 @@ from contextlib import nullcontext
 
 import torch
 
+from fp4stack.device import resolve_device
 from fp4stack.kernels.profiling import short_name
 from fp4stack.train.config import load_config
-from fp4stack.train.distributed import resolve_device
-from fp4stack.train.optimizers import build_optimizer
-from fp4stack.train.trainer import (
-    build_model,
-    clip_gradients,
-    forward_backward,
-    open_data,
-    optimizer_of,
-)
+from fp4stack.train.optimizers import build_from_config
+from fp4stack.train.run import build_model, open_data
+from fp4stack.train.trainer import clip_gradients, forward_backward
 
 
 def _batches(cfg, vocab_size: int | None, device: torch.device):
@@ -57,9 +52,7 @@ def _batches(cfg, vocab_size: int | None, device: torch.device):
 def _step_fn(cfg, vocab_size: int | None, device: torch.device):
     vocab, batch = _batches(cfg, vocab_size, device)
     model, _ = build_model(cfg, vocab, device)
-    opt = build_optimizer(model, optimizer_of(cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                          weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
-                          fused=device.type == "cuda")
+    opt = build_from_config(model, cfg, fused=device.type == "cuda")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())
     count = [0]
@@ -168,7 +161,7 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, local_rank=0)
     results = []
     for name in args.recipes.split(","):
         cfg = load_config(args.config, recipe=name, device=args.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import types
 from dataclasses import replace
@@ -17,20 +18,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fp4stack.cli import main
 from fp4stack.data import write_shard
 from fp4stack.models.gpt import GPT
 from fp4stack.nn.attention import AttentionQuant
 from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
-from fp4stack.nn.recipe import PRESETS, LowRank
+from fp4stack.nn.recipe import LowRank
+from fp4stack.nn.recipe import recipe as get_recipe
+from fp4stack.optim import AdamW4, Muon4
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
 from fp4stack.train import trainer as trainer_mod
 from fp4stack.train.checkpoint import checkpoint_dirs, latest_checkpoint
 from fp4stack.train.determinism import CUBLAS_WORKSPACE, deterministic_algorithms
-from fp4stack.train.optimizers import param_groups
+from fp4stack.train.optimizers import (
+    OptimizerChoice,
+    build_optimizer,
+    optimizer_of,
+    param_groups,
+    resolve_optimizer,
+)
+from fp4stack.train.run import start_run
 from fp4stack.train.schedule import lr_at
 
 VOCAB = 64
@@ -115,6 +125,30 @@ def test_metrics_schema(data, tmp_path):
     assert saved["recipe"] == "bf16" and saved["betas"] == [0.9, 0.95]
 
 
+def test_the_loop_pieces_make_the_records_train_logs(data, tmp_path):
+    # train() is a loop over these pieces: driven by hand they give the same records and
+    # validation loss, bit for bit, and leave the counters the result reports.
+    train(config(data, tmp_path / "train", recipe="nvfp4-nvidia", max_steps=2, eval_every=2))
+    run = start_run(config(data, tmp_path / "pieces", recipe="nvfp4-nvidia", max_steps=2,
+                           eval_every=2), False, trainer_mod.distributed.setup("cpu"))
+    run.bar = types.SimpleNamespace(disable=True)
+    try:
+        records = [trainer_mod.train_step(run, step) for step in range(2)]
+        records[-1].update(trainer_mod.evaluate_step(run, 2, final=True))
+        for record in records:
+            trainer_mod.log_step(run, record)
+        trainer_mod.save_run(run, 2)
+    finally:
+        run.logger.close()
+    drop = lambda r: {k: v for k, v in r.items() if k != "tokens_per_s"}  # noqa: E731
+    assert [drop(r) for r in read_metrics(tmp_path / "pieces")] == [
+        drop(r) for r in read_metrics(tmp_path / "train")]
+    assert "val_loss_high_precision" in records[-1] and run.interval_tokens == 0
+    assert run.loss == records[-1]["loss"] and run.nan_skips == 0 and run.train_s > 0
+    saved = json.loads((latest_checkpoint(tmp_path / "pieces") / "state.json").read_text())
+    assert saved["step"] == 2 and saved["nan_skips"] == 0 and "lowrank_counters" not in saved
+
+
 def test_tensorboard_scalars(data, tmp_path, monkeypatch, capsys):
     # A stand-in SummaryWriter: the real one needs the (optional, large) tensorboard package.
     scalars = []
@@ -176,6 +210,44 @@ def test_resume_is_bit_exact(data, tmp_path, moe):
     wa = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
     wb = load_file(str(latest_checkpoint(tmp_path / "split") / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _counters(weights: dict) -> dict:
+    # The low-rank refresh counters: the 0-d integer buffers of the weights.
+    return {k: v for k, v in weights.items() if v.ndim == 0 and not v.is_floating_point()}
+
+
+def test_resume_from_a_checkpoint_with_refresh_counters_in_state_json(data, tmp_path):
+    # Checkpoints written before the counters were module state hold them in state.json and
+    # not in the weights: resuming one puts them back; a checkpoint whose weights hold them
+    # keeps its own. Dropping them instead changes the run (the test can fail).
+    kw = {"recipe": FAST_LOWRANK, "max_steps": 8}
+    train(config(data, tmp_path / "full", **kw))
+    train(config(data, tmp_path / "split", max_steps=4, lr_decay_steps=8, recipe=FAST_LOWRANK))
+    full = [r["loss"] for r in read_metrics(tmp_path / "full")]
+    ckpt = latest_checkpoint(tmp_path / "split")
+    weights = load_file(str(ckpt / "model.safetensors"))
+    counters = _counters(weights)
+    assert counters and all(int(v) == 8 for v in counters.values())  # 2 forwards a step
+    rest = {k: v for k, v in weights.items() if k not in counters}
+    legacy = {k.rpartition(".")[0]: int(v) for k, v in counters.items()}
+    for name, old_state, old_weights in (("old", True, True), ("both", True, False),
+                                         ("lost", False, True)):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "split", run)
+        path = latest_checkpoint(run)
+        state = json.loads((path / "state.json").read_text())
+        if old_state:  # a bogus count where the weights hold the real one
+            state["lowrank_counters"] = legacy if old_weights else dict.fromkeys(legacy, 1)
+        (path / "state.json").write_text(json.dumps(state))
+        if old_weights:
+            save_file(rest, str(path / "model.safetensors"))
+        train(config(data, run, **kw), resume=True)
+        losses = [r["loss"] for r in read_metrics(run)]
+        assert (losses == full) == (name != "lost"), name
+    final = load_file(str(latest_checkpoint(tmp_path / "old") / "model.safetensors"))
+    assert _counters(final) == _counters(
+        load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors")))
 
 
 def test_high_precision_tail_switches_once_and_resumes_exactly(data, tmp_path):
@@ -492,6 +564,33 @@ def test_nvfp4_state_optimizers_train_and_resume_exactly(data, tmp_path, optimiz
 def test_unknown_optimizer_is_refused(data, tmp_path):
     with pytest.raises(ValueError, match="optimizer 'adam' is unknown"):
         config(data, tmp_path, optimizer="adam")
+    with pytest.raises(ValueError, match=r"config: optimizer 4 is unknown; choose one of "
+                                         r"\['adamw', 'muon'\] \(the recipe's optimizer_states"):
+        config(data, tmp_path, optimizer=4)
+    with pytest.raises(ValueError, match=r"optimizer_states must be one of \['fp32', 'nvfp4'\], "
+                                         "got 'fp16'"):
+        resolve_optimizer("adamw", "fp16")
+
+
+@pytest.mark.parametrize("optimizer,recipe,name", [
+    ("adamw", "bf16", "adamw"), ("adamw", "fullstack", "adamw4"), ("adamw4", "bf16", "adamw4"),
+    ("adamw4", "fullstack", "adamw4"), ("muon", "bf16", "muon"), ("muon", "fullstack", "muon4"),
+    ("muon4", "bf16", "muon4"), ("muon4", "fullstack", "muon4")])
+def test_optimizer_is_the_configs_with_the_recipes_states(data, tmp_path, optimizer, recipe, name):
+    # The config names the algorithm, the recipe the state format; adamw4 and muon4 (older
+    # configs) name NVFP4 states whatever the recipe.
+    cfg = config(data, tmp_path, optimizer=optimizer, recipe=recipe)
+    choice = optimizer_of(cfg)
+    assert choice == OptimizerChoice(optimizer.rstrip("4"), "nvfp4" if "4" in name else "fp32")
+    assert choice.name == name
+    model = GPT(cfg.model_config(VOCAB))
+    opt = build_optimizer(model, choice, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay, muon_lr=0.02, seed=0)
+    kind = {"adamw": torch.optim.AdamW, "adamw4": AdamW4, "muon": Muon4, "muon4": Muon4}[name]
+    assert type(opt) is kind and all("lr_scale" in g for g in opt.param_groups)
+    if kind is Muon4:
+        assert opt.quantize == (name == "muon4")
+        assert {g["lr_scale"] for g in opt.param_groups} == {1.0, 0.02 / cfg.lr}
 
 
 @pytest.mark.parametrize("recipe", ["fullstack", "fullstack-nvidia-noreuse",
@@ -519,7 +618,7 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     """The -nvidia full stacks: NVIDIA's linear quantizers on every block (none kept in BF16),
     fullstack's low-rank branch and NVFP4 states, and the attention their names say."""
     linear = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
-    nvidia, fullstack = PRESETS["nvfp4-nvidia"], PRESETS["fullstack"]
+    nvidia, fullstack = get_recipe("nvfp4-nvidia"), get_recipe("fullstack")
     reuse = {"fullstack-nvidia": True, "fullstack-nvidia-noreuse": False,
              "fullstack-nvidia-reuse-v": ("v",), "fullstack-nvidia-reuse-qk": ("q", "k"),
              "fullstack-nvidia-hp-backward": False, "fullstack-nvidia-reblock": True,
@@ -528,7 +627,7 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
              "fullstack-nvidia-noreuse-sr": False, "fullstack-nvidia-sr-qkv": True,
              "fullstack-nvidia-sr-qkv-noreuse": False, "fullstack-nvidia-noreuse-delta": False}
     for name, want in reuse.items():
-        r = PRESETS[name]
+        r = get_recipe(name)
         assert r.name == name
         assert all(getattr(r, f) == getattr(nvidia, f) for f in linear), name
         assert r.keep_first_blocks == r.keep_last_blocks == 0
@@ -546,23 +645,23 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         assert ("Hadamard-rotated" in r.attention.describe()) == rotate, name
         assert r.attention.describe().count("16x16 tiles") == (
             3 if name.endswith("tiles") else 0), name
-    lowrank = PRESETS["lowrank-nvidia"]
+    lowrank = get_recipe("lowrank-nvidia")
     assert all(getattr(lowrank, f) == getattr(nvidia, f) for f in linear)
     # The linear variants of the best full stack differ from it in the field their names say.
-    base = PRESETS["fullstack-nvidia-noreuse"]
-    lora = PRESETS["fullstack-nvidia-noreuse-lora"]
+    base = get_recipe("fullstack-nvidia-noreuse")
+    lora = get_recipe("fullstack-nvidia-noreuse-lora")
     assert lora == base.with_(name=lora.name, lowrank=LowRank(trainable=True))
-    four_six = PRESETS["fullstack-nvidia-noreuse-4over6"]
+    four_six = get_recipe("fullstack-nvidia-noreuse-4over6")
     assert four_six == base.with_(name=four_six.name, x=replace(base.x, four_over_six=True),
                                   w=replace(base.w, four_over_six=True))
     assert four_six.w.block == (16, 16) and four_six.x.block == (1, 16)
     rne = base.x
-    w1x16 = PRESETS["fullstack-nvidia-noreuse-w1x16"]
+    w1x16 = get_recipe("fullstack-nvidia-noreuse-w1x16")
     assert w1x16 == base.with_(name=w1x16.name, w=rne, w_dgrad=rne)
     assert w1x16.w.block == (1, 16) and base.w.block == (16, 16) and base.w_dgrad is None
-    w1x16_46 = PRESETS["fullstack-nvidia-noreuse-w1x16-4over6"]
+    w1x16_46 = get_recipe("fullstack-nvidia-noreuse-w1x16-4over6")
     four_six_1x16 = replace(rne, four_over_six=True)
     assert w1x16_46 == w1x16.with_(name=w1x16_46.name, x=four_six_1x16, w=four_six_1x16)
-    last = PRESETS["fullstack-nvidia-noreuse-last-bf16"]
+    last = get_recipe("fullstack-nvidia-noreuse-last-bf16")
     assert last == base.with_(name=last.name, keep_last_blocks=1) and last.keep_first_blocks == 0
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"

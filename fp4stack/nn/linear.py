@@ -245,18 +245,6 @@ class QuantLinear(PackedState, nn.Module):
         if n % self.recipe.lowrank.refresh_every == 0:
             self.refresh_lowrank()
 
-    # The pretraining trainer's state.json counters read and set this; the state dict carries
-    # the count now, so it goes once the trainer relies on that.
-    @property
-    def _steps(self) -> int:
-        return self._lowrank_count() if "lowrank_forwards" in self._buffers else 0
-
-    @_steps.setter
-    def _steps(self, n: int) -> None:
-        if "lowrank_forwards" in self._buffers:
-            self._forwards = n
-            self.lowrank_forwards.fill_(n)
-
     def _lowrank_count(self) -> int:
         if self._forwards is None:
             self._forwards = int(self.lowrank_forwards)

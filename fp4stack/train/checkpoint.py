@@ -1,11 +1,12 @@
 """Training checkpoints: everything a run needs to continue exactly where it stopped.
 
 DIR/checkpoints/step_00000100/ holds
-  model.safetensors   full (unsharded) model state: master weights and buffers (low-rank factors)
+  model.safetensors   full (unsharded) model state: master weights and buffers (low-rank factors
+                      and their refresh counters)
   optimizer.pt        full optimizer state (torch.save): torch's keyed by parameter name,
                       fp4stack's NVFP4-state optimizers' own state_dict
   rng_rank{r}.pt      each rank's torch RNG states (CPU generator: stochastic-rounding seeds)
-  state.json          step, token count, NaN-skip counters, low-rank refresh counters, config
+  state.json          step, token count, NaN-skip counters, config
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
 mid-save leaves the previous checkpoint intact and never a half-written one under a step_ name;
 only the last `keep` are kept. State dicts go through torch.distributed.checkpoint's full-state
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .distributed import DistEnv, barrier
+from .distributed import DistEnv, barrier, unwrap
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -129,11 +130,25 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: torch
     return final
 
 
+def _add_legacy_counters(model_sd: dict[str, torch.Tensor], model: nn.Module,
+                         counters: dict[str, int]) -> None:
+    # Checkpoints written before the low-rank refresh counters were module state hold them in
+    # state.json (module name -> training forwards): each goes into the 0-d integer buffer of
+    # its module that the weights lack, so that such a run still resumes exactly.
+    for key, t in unwrap(model).state_dict().items():
+        module = key.rpartition(".")[0]
+        if module in counters and key not in model_sd and t.ndim == 0 and not (
+                t.is_floating_point() or t.is_complex()):
+            model_sd[key] = torch.tensor(counters[module], dtype=t.dtype)
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     env: DistEnv) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; returns its state.json."""
     state = json.loads((path / "state.json").read_text())
     model_sd = load_file(str(path / "model.safetensors"), device="cpu")
+    if "lowrank_counters" in state:
+        _add_legacy_counters(model_sd, model, state.pop("lowrank_counters"))
     set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
     optim_sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if _by_name(optimizer):

@@ -42,6 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint")
+    add_verbose_argument(p)
+
+
+def add_verbose_argument(p: argparse.ArgumentParser) -> None:
+    """--verbose, the same for `fp4stack pretrain` and `fp4stack compare`."""
+    p.add_argument("--verbose", action="store_true",
+                   help="list every module the recipe converted or kept in high precision "
+                   "(default: one line of counts)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..nn.recipe import recipe as get_recipe
 from .checkpoint import latest_checkpoint
+from .command import add_verbose_argument
 from .config import load_config, recipe_arg
 from .metrics import read_metrics
 from .trainer import train
@@ -39,7 +40,8 @@ class RunRow:
 
 def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.PathLike, *,
                    seeds: tuple[int, ...] = (0,), baseline_seeds: tuple[int, ...] = (),
-                   train_missing: bool = True, **overrides) -> list[RunRow]:
+                   train_missing: bool = True, verbose: bool = False,
+                   **overrides) -> list[RunRow]:
     """Train every recipe at every seed in `seeds` (and BF16 at the extra `baseline_seeds`) from
     one config.
 
@@ -48,7 +50,8 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     change the config's optimizer. Each run writes to out/<run>-s<seed>; a finished run (its
     result.json present) is reused and an interrupted one resumes from its last checkpoint, so an
     interrupted comparison picks up where it stopped. train_missing=False reports on the
-    finished runs only and trains nothing.
+    finished runs only and trains nothing. verbose: each quantized run lists every module
+    it converted or kept, not only the counts.
     """
     out = Path(out)
     if not seeds:
@@ -224,7 +227,8 @@ def plot_curves(rows: list[RunRow], path: Path) -> None:
     gx.set_title("Gap to BF16 at each evaluation (band: min..max over seeds)")
     for a in (ax, gx):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:  # no gap curves without a BF16 run
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -252,6 +256,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bitwise-reproducible runs (no cuDNN attention; default: the config's)")
+    add_verbose_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
         rows = run_comparison(args.config, recipes, args.out, seeds=seeds,
                               baseline_seeds=extra, train_missing=not args.no_train,
                               max_steps=args.max_steps, data=args.data,
-                              device=args.device, deterministic=args.deterministic)
+                              device=args.device, deterministic=args.deterministic,
+                              verbose=args.verbose)
     except (ValueError, FileNotFoundError) as e:
         print(f"fp4stack compare: error: {e}", file=sys.stderr)
         return 2

@@ -8,16 +8,16 @@ the data's manifest and its max_seq_len from seq_len unless given.
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..config_fields import check_float, check_int, check_keys, suggest
 from ..models.gpt import GPTConfig
 from ..nn.recipe import recipe as get_recipe
-from .optimizers import OPTIMIZERS
+from ..nn.recipe_files import read_recipe_file
+from .optimizers import check_optimizer
 
 MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
                  "small": GPTConfig.small, "small-moe": GPTConfig.small_moe}
@@ -56,7 +56,9 @@ class PretrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0  # model init, data order and stochastic rounding
     recipe: str | dict[str, Any] = "bf16"  # preset name, or {preset: NAME, <field>: ...}
-    optimizer: str = "adamw"  # adamw, adamw4 (NVFP4 states), muon, muon4 (NVFP4 Newton-Schulz)
+    # adamw or muon; the recipe's optimizer_states picks fp32 or NVFP4 states (train/optimizers.py:
+    # adamw4 and muon4 name adamw and muon with NVFP4 states whatever the recipe)
+    optimizer: str = "adamw"
     muon_lr: float = 0.02  # learning rate of Muon's matrices (the rest use lr)
     max_nan_skips: int = 5  # consecutive non-finite steps skipped before training stops
     out: str = "runs/pretrain/{recipe}"  # "{recipe}" is replaced by the recipe name
@@ -73,14 +75,14 @@ class PretrainConfig:
         self.betas = _betas(self.betas)
         for name in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps",
                      "eval_every", "eval_batches", "log_every", "keep_checkpoints"):
-            _int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "ckpt_every", "max_nan_skips", "seed"):
-            _int(name, getattr(self, name), minimum=0)
+            check_int(name, getattr(self, name), minimum=0)
         if self.lr_decay_steps is not None:
-            _int("lr_decay_steps", self.lr_decay_steps, minimum=1)
+            check_int("lr_decay_steps", self.lr_decay_steps, minimum=1)
         for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "muon_lr"):
-            setattr(self, name, _float(name, getattr(self, name)))
-        self.high_precision_tail = _float("high_precision_tail", self.high_precision_tail)
+            setattr(self, name, check_float(name, getattr(self, name)))
+        self.high_precision_tail = check_float("high_precision_tail", self.high_precision_tail)
         if self.high_precision_tail >= 1:
             raise ValueError(f"high_precision_tail is the fraction of the schedule run in BF16 "
                              f"at its end, in [0, 1), got {self.high_precision_tail}")
@@ -106,9 +108,7 @@ class PretrainConfig:
             raise ValueError(f"weight_flips: recipe {self.recipe_name!r} does not quantize its "
                              "weights to NVFP4, so no weight can flip; use an NVFP4 recipe or "
                              "set weight_flips: false")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of "
-                             f"{list(OPTIMIZERS)}")
+        check_optimizer(self.optimizer)
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -152,7 +152,7 @@ class PretrainConfig:
         known = {f.name for f in fields(GPTConfig)}
         for key in spec:
             if key not in known:
-                raise ValueError(f"model.{key}: unknown GPTConfig field{_suggest(key, known)}; "
+                raise ValueError(f"model.{key}: unknown GPTConfig field{suggest(key, known)}; "
                                  f"known fields: {sorted(known)}")
         given_vocab = spec.get("vocab_size")
         if vocab_size is not None:
@@ -179,44 +179,12 @@ class PretrainConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _suggest(key: str, known) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}"
-                         + (" (YAML reads 3e-4 as a string: write 3.0e-4)"
-                            if isinstance(value, str) else ""))
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return float(value)
-
-
 def _betas(value: Any) -> tuple[float, float]:
     if (not isinstance(value, (list, tuple)) or len(value) != 2
             or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                        for b in value)):
         raise ValueError(f"betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {value!r}")
     return float(value[0]), float(value[1])
-
-
-def check_keys(d: Any, config_class: type, source: str) -> None:
-    """ValueError unless `d` is a mapping whose keys are all fields of `config_class` (the error
-    names the unknown key and the closest known one)."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
-    known = {f.name for f in fields(config_class)}
-    for key in d:
-        if key not in known:
-            raise ValueError(f"{source}: unknown key {key!r}{_suggest(str(key), known)}; "
-                             f"known keys: {sorted(known)}")
 
 
 def from_dict(d: dict[str, Any], source: str = "config") -> PretrainConfig:
@@ -233,13 +201,10 @@ def recipe_arg(value: str) -> str | dict[str, Any]:
     .yml) holds, top-level or under a `recipe` key (fp4stack.nn.recipe_mapping), checked."""
     if not value.endswith((".yaml", ".yml")):
         return value
-    import yaml
-
     path = Path(value)
     if not path.is_file():
         raise FileNotFoundError(f"recipe file {value} not found")
-    data = yaml.safe_load(path.read_text())
-    mapping = data.get("recipe", data) if isinstance(data, dict) else data
+    mapping = read_recipe_file(path)
     try:
         get_recipe(mapping)
     except ValueError as e:

@@ -1,17 +1,39 @@
-"""The pretraining optimizers: AdamW (fp32 states) or AdamW4 (NVFP4 states), Muon or Muon4.
+"""The pretraining optimizers: AdamW or Muon, with fp32 or NVFP4 states.
 
-Each param group carries `lr_scale`, its learning rate relative to the config's `lr`, so the one
-warmup + cosine schedule drives every group (Muon's matrices run at muon_lr, the rest at lr).
+The config's `optimizer` names the algorithm (adamw, muon), the recipe's `optimizer_states` the
+format of its states (fp32, nvfp4); `optimizer_of` resolves the two, and `TABLE` maps the pair to
+the name a run reports and the optimizer it builds:
+
+    adamw, fp32    adamw    torch.optim.AdamW
+    adamw, nvfp4   adamw4   fp4stack.optim.AdamW4 (both moments NVFP4)
+    muon,  fp32    muon     fp4stack.optim.Muon4(quantize=False): torch's Muon + AdamW
+    muon,  nvfp4   muon4    fp4stack.optim.Muon4 (NVFP4 Newton-Schulz operands and momentum)
+
+The config values `adamw4` and `muon4` (from before the recipe held the state format) still
+name AdamW and Muon with NVFP4 states, whatever the recipe's optimizer_states. Each param group
+carries `lr_scale`, its learning rate relative to the config's `lr`, so the one warmup + cosine
+schedule drives every group (Muon's matrices run at muon_lr, the rest at lr).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "adamw4", "muon", "muon4")
+from ..nn.recipe import recipe as get_recipe
+
+if TYPE_CHECKING:
+    from .config import PretrainConfig
+
+OPTIMIZERS = ("adamw", "muon")
+STATE_FORMATS = ("fp32", "nvfp4")
+# Older config values: an optimizer with NVFP4 states, whatever the recipe says.
+ALIASES = {"adamw4": ("adamw", "nvfp4"), "muon4": ("muon", "nvfp4")}
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -27,34 +49,98 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, name: str, *, lr: float, betas: tuple[float, float],
-                    eps: float, weight_decay: float, muon_lr: float, seed: int,
-                    fused: bool = False) -> torch.optim.Optimizer:
-    """The optimizer `name` (one of OPTIMIZERS) over `model`'s trainable parameters."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
-    groups = param_groups(model, weight_decay)
-    if name == "adamw":
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
-    elif name == "adamw4":
-        from ..optim import AdamW4
+def _adamw(model: nn.Module, groups: list[dict[str, Any]], *, lr: float,
+           betas: tuple[float, float], eps: float, fused: bool, **_: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
-        opt = AdamW4(groups, lr=lr, betas=betas, eps=eps, seed=seed)
-    else:
-        from ..optim.muon4 import Muon4, split_params
 
-        matrices, _ = split_params(model)
-        ids = {id(p) for p in matrices}
-        rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
-        opt = Muon4([{"params": [p for p in matrices if p.requires_grad]}], lr=muon_lr,
-                    weight_decay=weight_decay, quantize=name == "muon4",
-                    adamw_params=[g for g in rest if g["params"]], adamw_lr=lr,
-                    adamw_betas=betas, adamw_eps=eps, seed=seed)
-        for group in opt.param_groups:
-            group["lr_scale"] = muon_lr / lr if group.get("use_muon") else 1.0
+def _adamw4(model: nn.Module, groups: list[dict[str, Any]], *, lr: float,
+            betas: tuple[float, float], eps: float, seed: int, **_: Any) -> torch.optim.Optimizer:
+    from ..optim import AdamW4
+
+    return AdamW4(groups, lr=lr, betas=betas, eps=eps, seed=seed)
+
+
+def _muon(model: nn.Module, groups: list[dict[str, Any]], *, quantize: bool, lr: float,
+          betas: tuple[float, float], eps: float, weight_decay: float, muon_lr: float, seed: int,
+          **_: Any) -> torch.optim.Optimizer:
+    from ..optim.muon4 import Muon4, split_params
+
+    matrices, _ = split_params(model)
+    ids = {id(p) for p in matrices}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
+    opt = Muon4([{"params": [p for p in matrices if p.requires_grad]}], lr=muon_lr,
+                weight_decay=weight_decay, quantize=quantize,
+                adamw_params=[g for g in rest if g["params"]], adamw_lr=lr,
+                adamw_betas=betas, adamw_eps=eps, seed=seed)
+    for group in opt.param_groups:
+        group["lr_scale"] = muon_lr / lr if group.get("use_muon") else 1.0
+    return opt
+
+
+# (optimizer, optimizer_states) -> (the name a run reports, builder)
+TABLE: dict[tuple[str, str], tuple[str, Callable[..., torch.optim.Optimizer]]] = {
+    ("adamw", "fp32"): ("adamw", _adamw),
+    ("adamw", "nvfp4"): ("adamw4", _adamw4),
+    ("muon", "fp32"): ("muon", partial(_muon, quantize=False)),
+    ("muon", "nvfp4"): ("muon4", partial(_muon, quantize=True)),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """An optimizer algorithm (one of OPTIMIZERS) and the format of its states (STATE_FORMATS)."""
+
+    optimizer: str
+    states: str
+
+    @property
+    def name(self) -> str:
+        """The name runs report (logs, result.json): adamw, adamw4, muon or muon4."""
+        return TABLE[(self.optimizer, self.states)][0]
+
+
+def check_optimizer(value: Any) -> None:
+    """ValueError naming the `optimizer` field and its choices unless `value` is one of them."""
+    if value not in OPTIMIZERS + tuple(ALIASES):
+        raise ValueError(f"optimizer {value!r} is unknown; choose one of {list(OPTIMIZERS)} (the "
+                         "recipe's optimizer_states picks fp32 or NVFP4 states; 'adamw4' and "
+                         "'muon4' also name adamw and muon with NVFP4 states)")
+
+
+def resolve_optimizer(optimizer: str, states: str) -> OptimizerChoice:
+    """The optimizer of a config's `optimizer` value and its recipe's `optimizer_states`."""
+    check_optimizer(optimizer)
+    if states not in STATE_FORMATS:
+        raise ValueError(f"optimizer_states must be one of {list(STATE_FORMATS)}, got {states!r}")
+    optimizer, states = ALIASES.get(optimizer, (optimizer, states))
+    return OptimizerChoice(optimizer, states)
+
+
+def optimizer_of(cfg: PretrainConfig) -> OptimizerChoice:
+    """The optimizer a run uses: the config's, with its recipe's optimizer_states."""
+    return resolve_optimizer(cfg.optimizer, get_recipe(cfg.recipe).optimizer_states)
+
+
+def build_optimizer(model: nn.Module, choice: OptimizerChoice, *, lr: float,
+                    betas: tuple[float, float], eps: float, weight_decay: float, muon_lr: float,
+                    seed: int, fused: bool = False) -> torch.optim.Optimizer:
+    """The optimizer `choice` over `model`'s trainable parameters; fused: torch's fused AdamW
+    kernel (CUDA)."""
+    _, build = TABLE[(choice.optimizer, choice.states)]
+    opt = build(model, param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                weight_decay=weight_decay, muon_lr=muon_lr, seed=seed, fused=fused)
     for group in opt.param_groups:
         group.setdefault("lr_scale", 1.0)
     return opt
+
+
+def build_from_config(model: nn.Module, cfg: PretrainConfig, *,
+                      fused: bool = False) -> torch.optim.Optimizer:
+    """build_optimizer with the optimizer and hyperparameters of `cfg`."""
+    return build_optimizer(model, optimizer_of(cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
+                           fused=fused)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -5,7 +5,8 @@
 # the venv make re-runs fast; editing pyproject.toml triggers a re-install.
 #
 #   make demo               tiny pretraining comparison (bf16 / nvfp4 / lowrank) and tiny RL
-#                           comparison (bf16 / fp8 / nvfp4 / nvfp4+tis / quads), CPU, a few minutes
+#                           comparison (bf16 / fp8 / nvfp4 / nvfp4+tis / quads), CPU, 3 to 4
+#                           minutes on 2 cores
 #   make test               ruff + pytest
 #   make lint               ruff only
 #   make clean              build outputs and caches (keeps the venv)
@@ -26,12 +27,14 @@ LINT_PATHS := $(wildcard fp4stack tests benchmarks experiments)
 .PHONY: demo test lint clean distclean
 .PRECIOUS: $(VENV)/.installed-%
 
+# The demo's configs are the tiny ones with fewer steps (tests/test_demo_configs.py). Each run
+# shows a progress bar; --verbose on a comparison also lists every converted module and RL step.
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/fp4stack data build --sources wikipedia --vocab-size 4096 --max-chars 3M \
 		--out runs/data/tiny
-	$(VENV)/bin/fp4stack compare --config configs/pretrain/tiny.yaml \
-		--recipes bf16,nvfp4,lowrank --out runs/compare/tiny
-	$(VENV)/bin/fp4stack rl-compare --config configs/rl/tiny.yaml --out runs/rl-compare/tiny
+	$(VENV)/bin/fp4stack compare --config configs/pretrain/demo.yaml \
+		--recipes bf16,nvfp4,lowrank --out runs/compare/demo
+	$(VENV)/bin/fp4stack rl-compare --config configs/rl/demo.yaml --out runs/rl-compare/demo
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)

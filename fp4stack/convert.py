@@ -45,6 +45,24 @@ class ConversionSummary:
         lines += [f"  skipped    {name}  ({reason})" for name, reason in self.skipped]
         return "\n".join(lines)
 
+    def short(self) -> str:
+        """The summary in one line: the counts, the first modules kept in high precision and
+        the shared-amax groups (str() lists every module with its reason)."""
+        kinds = [kind for _, kind in self.converted]
+        done = [f"{n} {what}" for n, what in (
+            (kinds.count("linear"), "linears"),
+            (sum(k.endswith(" experts") for k in kinds), "expert stacks"),
+            (kinds.count("fp4 attention"), "blocks' attention in FP4")) if n]
+        kept = [name for name, _ in self.skipped if name != "*"]
+        notes = [reason for name, reason in self.skipped if name == "*"]
+        line = f"quantize_model: recipe {self.recipe}: converted {', '.join(done) or 'nothing'}"
+        if kept:
+            line += (f"; kept {len(kept)} in high precision ({', '.join(kept[:3])}"
+                     f"{', ...' if len(kept) > 3 else ''})")
+        if self.shared_amax:
+            line += f"; {len(self.shared_amax)} shared-amax groups"
+        return line + "".join(f"; {n}" for n in notes)
+
 
 def _n_blocks(model: nn.Module) -> int:
     idx = [int(m.group(1)) for n, _ in model.named_modules() if (m := _BLOCK_INDEX.search(n + "."))]

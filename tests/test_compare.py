@@ -1,8 +1,10 @@
-"""`fp4stack compare`: the same config, seed and tokens for each recipe; table, JSON and plot."""
+"""`fp4stack compare`: the same config, seed and tokens for each recipe; table, JSON and plot.
+`fp4stack rl-compare`: a line per run, or every run's log with --verbose."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,8 @@ import pytest
 import yaml
 
 from fp4stack.data import write_shard
+from fp4stack.rl.compare import RunProgress, run_rl_comparison
+from fp4stack.rl.config import RLConfig
 from fp4stack.train.compare import (
     RunRow,
     format_table,
@@ -176,3 +180,28 @@ def test_a_bad_recipe_file_is_named(setup, tmp_path, text, match):
         path.write_text(text)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         run_comparison(config, [str(path)], tmp_path / "out")
+
+
+def test_rl_compare_shows_one_line_per_run_unless_verbose(tmp_path, capsys):
+    cfg = RLConfig(policy={"kind": "gpt", "preset": "tiny-moe", "moe_hidden": 64},
+                   task_options={"level": 1, "n_test": 4}, sft_steps=4, steps=2,
+                   prompts_per_step=2, group_size=2, max_new_tokens=3, eval_every=0,
+                   alarm_k3=0.0, device="cpu")
+    lines = []
+    rows = run_rl_comparison(cfg, ["bf16", "fp8"], tmp_path / "quiet", log=lines.append,
+                             verbose=False)
+    # BF16's k3 is exactly 0, never above the threshold 0; FP8's is above it at every step.
+    assert [r["k3_max"] > 0 for r in rows] == [False, True]
+    assert len(lines) == 2 and re.fullmatch(r"bf16: 2 steps in [\d.]+ s", lines[0])
+    assert re.fullmatch(r"fp8: 2 steps in [\d.]+ s; mismatch alarm \(k3 > 0\) at 2 of them",
+                        lines[1])
+    assert "step 1/2" not in capsys.readouterr().out
+    verbose = []
+    run_rl_comparison(cfg, ["fp8"], tmp_path / "verbose", log=verbose.append)
+    assert any(line.startswith("sft step 4/4 |") for line in verbose)
+    assert any(line.startswith("step 2/2 |") for line in verbose)
+    assert sum(line.startswith("alarm: ") for line in verbose) == 2
+    # A line the bar does not stand for is printed.
+    with RunProgress("x", 2) as progress:
+        progress.log("time limit of 1 min: stopping after step 1")
+    assert "time limit of 1 min" in capsys.readouterr().out

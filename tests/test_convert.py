@@ -250,3 +250,16 @@ def test_high_precision_switches_for_the_block_only(recipe):
     assert all(int(after[k]) == int(state[k]) + 2 for k in counters)
     with high_precision(plain) as n:  # nothing to switch in an unquantized model
         assert n == 0
+
+
+def test_the_short_summary_counts_what_the_full_one_lists():
+    from fp4stack.models import GPT, GPTConfig
+
+    summary = quantize_model(GPT(GPTConfig.tiny()), "fullstack")
+    n_linears = sum(kind == "linear" for _, kind in summary.converted)
+    assert summary.short() == (
+        f"quantize_model: recipe fullstack: converted {n_linears} linears, 2 blocks' attention "
+        "in FP4; kept 2 in high precision (model.embed_tokens, lm_head); 4 shared-amax groups")
+    assert "\n" not in summary.short() and len(str(summary).splitlines()) > 10
+    bf16 = quantize_model(GPT(GPTConfig.tiny()), "bf16").short()
+    assert bf16 == "quantize_model: recipe bf16: converted nothing; recipe 'bf16' quantizes nothing"

@@ -41,6 +41,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", default="bf16,fp8,nvfp4,nvfp4+tis,quads",
                    help="comma-separated runs (default bf16,fp8,nvfp4,nvfp4+tis,quads)")
     p.add_argument("--out", default="runs/rl-compare", help="output directory")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every run's log (SFT, each step, each mismatch alarm); default: "
+                   "a progress bar and one line per run")
 
 
 def _config(args: argparse.Namespace, **extra):
@@ -79,7 +82,8 @@ def run_compare_command(args: argparse.Namespace) -> int:
     from .compare import format_table, run_rl_comparison
 
     try:
-        rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out)
+        rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out,
+                                 verbose=args.verbose)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl-compare", e)
     print(format_table(rows))

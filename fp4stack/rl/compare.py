@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +32,15 @@ RUNS = {
 
 
 def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
-                      log=print) -> list[dict[str, Any]]:
+                      log: Callable[[str], None] = print, verbose: bool = True
+                      ) -> list[dict[str, Any]]:
     """Train each named run from `cfg` (same seed, task and SFT start) into out/<name>; a
-    finished run (result.json present) is reused."""
+    finished run (result.json present) is reused.
+
+    verbose: every log line of every run goes to `log`. Otherwise each run shows a progress bar
+    (on a terminal, with tqdm installed) and `log` gets one line per run: its steps, time and
+    how often the mismatch alarm fired.
+    """
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         raise ValueError(f"unknown runs {unknown}; choose from {list(RUNS)}")
@@ -46,10 +55,67 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
         else:
             run_cfg = cfg.with_overrides(rollout=rollout, trainer=trainer, correction=correction,
                                          out=str(run_dir))
-            result = run_rl(run_cfg, log=log, cache_dir=out / "sft")
+            if verbose:
+                result = run_rl(run_cfg, log=log, cache_dir=out / "sft")
+            else:
+                with RunProgress(name, run_cfg.steps) as progress:
+                    result = run_rl(run_cfg, log=progress.log, cache_dir=out / "sft")
+                log(progress.summary(result, run_cfg.alarm_k3))
         rows.append({"run": name, **result})
     write_report(rows, out)
     return rows
+
+
+# run_rl's log lines that the progress bar stands for: SFT and GRPO steps, alarms, the setup.
+_SFT_STEP = re.compile(r"sft step (\d+)/(\d+)")
+_STEP = re.compile(r"step (\d+)/\d+ \|")
+_QUIET = ("policy: ", "rl: ", "step 0: ")
+
+
+class RunProgress:
+    """One run's progress bar, fed by run_rl's log lines: a GRPO step advances it, an SFT
+    step shows the warm-up in its description, alarms are counted for `summary`; any other
+    line is printed above the bar."""
+
+    def __init__(self, name: str, steps: int) -> None:
+        self.name, self.alarms = name, 0
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is optional (the train and demo extras)
+            self.bar = None
+        else:  # a bar's carriage returns clutter log files
+            self.bar = tqdm(total=steps, desc=name, unit="step", dynamic_ncols=True,
+                            disable=not sys.stderr.isatty())
+
+    def __enter__(self) -> RunProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def log(self, msg: str) -> None:
+        sft, step = _SFT_STEP.match(msg), _STEP.match(msg)
+        if msg.startswith("alarm: "):
+            self.alarms += 1
+        elif not (sft or step or msg.startswith(_QUIET)):
+            (print if self.bar is None else self.bar.write)(msg)
+        elif self.bar is None:
+            return
+        elif sft:
+            self.bar.set_description(f"{self.name} (SFT warm-up {sft[1]}/{sft[2]})")
+        elif msg.startswith("rl: "):  # GRPO starts: the bar's clock and rate leave the SFT out
+            self.bar.set_description(self.name, refresh=False)
+            self.bar.reset()
+        elif step:
+            self.bar.update(int(step[1]) - self.bar.n)
+
+    def summary(self, result: dict[str, Any], alarm_k3: float) -> str:
+        """One line: the run's steps and time, and how often the mismatch alarm fired."""
+        line = f"{self.name}: {result['steps']} steps in {result['wall_s']:.1f} s"
+        if self.alarms:
+            line += f"; mismatch alarm (k3 > {alarm_k3:g}) at {self.alarms} of them"
+        return line
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

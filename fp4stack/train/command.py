@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                           distributed=args.distributed, micro_batch_size=args.micro_batch_size,
                           deterministic=args.deterministic, weight_flips=args.weight_flips,
                           high_precision_tail=args.high_precision_tail)
-        train(cfg, resume=args.resume)
+        train(cfg, resume=args.resume, verbose=args.verbose)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)
         return 2

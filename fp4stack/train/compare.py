@@ -71,7 +71,7 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
         else:
             cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir),
                               optimizer=optimizer, **overrides)
-            result = train(cfg, resume=latest_checkpoint(run_dir) is not None)
+            result = train(cfg, resume=latest_checkpoint(run_dir) is not None, verbose=verbose)
         rows.append(RunRow(label, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
                            int(result["steps"]), str(run_dir),

@@ -15,6 +15,7 @@ past the checkpoint's step are dropped first, so the file never holds a step twi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,6 +31,13 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
+
+
+@functools.cache
+def _note_no_tensorboard() -> None:
+    # once per process: a comparison opens a logger per run
+    print("fp4stack: tensorboard is not installed; metrics go to each run's metrics.jsonl only",
+          file=sys.stderr)
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -62,8 +70,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                print("fp4stack: tensorboard is not installed; logging to "
-                      f"{path} only", file=sys.stderr)
+                _note_no_tensorboard()
             else:
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
 

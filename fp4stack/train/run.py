@@ -98,9 +98,9 @@ class Run:
         _say(self.env, self.bar, msg)
 
 
-def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv) -> Run:
+def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = False) -> Run:
     """Data, model, optimizer and logger of cfg's run; with resume, restored from its last
-    checkpoint."""
+    checkpoint. verbose: print the whole ConversionSummary, not its one-line short form."""
     wall_start = time.perf_counter()
     out, device = cfg.out_dir, env.device
     per_rank = cfg.micro_batch_size * env.world_size
@@ -115,7 +115,7 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv) -> Run:
 
     gpt, summary = build_model(cfg, train_data.vocab_size, device)
     if env.is_main:
-        print(summary, flush=True)
+        print(summary if verbose else summary.short(), flush=True)
     choice = optimizer_of(cfg)
     fsdp2 = env.distributed and cfg.distributed == "fsdp2"
     if fsdp2 and choice != OptimizerChoice("adamw", "fp32"):

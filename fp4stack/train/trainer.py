@@ -226,15 +226,16 @@ def _result(run: Run) -> dict[str, Any]:
     return result
 
 
-def train(cfg: PretrainConfig, *, resume: bool = False) -> dict[str, Any]:
+def train(cfg: PretrainConfig, *, resume: bool = False, verbose: bool = False) -> dict[str, Any]:
     """Run (or with resume=True, continue) the pretraining run of `cfg`; returns a result dict:
     final_val_loss, final_val_loss_high_precision (the final weights evaluated with every
     quantizer off; None for a BF16 recipe or after a precision switch), final_loss,
-    tokens_per_s, steps, tokens, wall_s, nan_skips, params, out."""
+    tokens_per_s, steps, tokens, wall_s, nan_skips, params, out. verbose: print every module
+    the recipe converted or kept (the ConversionSummary), not its one-line short form."""
     env = distributed.setup(cfg.device)
     try:
         with deterministic_algorithms(cfg.deterministic):
-            run = start_run(cfg, resume, env)
+            run = start_run(cfg, resume, env, verbose)
             from tqdm.auto import tqdm
 
             run.bar = tqdm(total=cfg.max_steps, initial=run.start_step, unit="step",

@@ -91,12 +91,13 @@ def sdpa_variants(causal: bool):
 def fp4_variants() -> dict:
     """The kernel configs timed, by the label suffix of their rows."""
     from fp4stack.nn.attention import NVFP4_SR, AttentionQuant
+    from fp4stack.nn.attention_ablation import AttentionAblation
 
     return {"": AttentionQuant.paper(),
             ", Q/K/V in 16x16 tiles": AttentionQuant.tiled(),
-            ", Q/K rotated": AttentionQuant(rotate_qk=True),
+            ", Q/K rotated": AttentionAblation.quant(rotate_qk=True),
             ", no reuse": AttentionQuant(reuse=False),
-            ", no reuse, delta from dP": AttentionQuant(reuse=False, delta="dp"),
+            ", no reuse, delta from dP": AttentionAblation.quant(reuse=False, delta="dp"),
             ", Q/K/V stochastic": AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR)}
 
 

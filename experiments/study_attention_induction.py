@@ -32,30 +32,32 @@ from plots import curves_axes, save_curves
 
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.attention import NVFP4_SR, AttentionQuant, use_fp4_attention
+from fp4stack.nn.attention_ablation import AttentionAblation
 
+# The settings with the ablation's fields written flat, e.g. ablated(reuse=("v",)).
+ablated = AttentionAblation.quant
 SETTINGS = {
     "exact attention": AttentionQuant.off(),
     "reuse (default)": AttentionQuant.paper(),
-    "reuse V̂ only": AttentionQuant(reuse=("v",)),
-    "reuse, re-blocked": AttentionQuant(reblock=True),
+    "reuse V̂ only": ablated(reuse=("v",)),
+    "reuse, re-blocked": ablated(reblock=True),
     "Q, K, V stochastically rounded; reuse": AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
-    "reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
+    "reuse Q̂, K̂ only": ablated(reuse=("q", "k")),
     "no reuse": AttentionQuant(reuse=False),
-    "no reuse, stochastic rounding": AttentionQuant(reuse=False,
-                                                    requantize_rounding="stochastic"),
-    "no reuse, fresh stochastic rounding in the forward's dims": AttentionQuant(
+    "no reuse, stochastic rounding": ablated(reuse=False, requantize_rounding="stochastic"),
+    "no reuse, fresh stochastic rounding in the forward's dims": ablated(
         reuse=False, requantize_along="forward", requantize_rounding="stochastic"),
     "Q, K, V stochastically rounded; no reuse": AttentionQuant(
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
-    "high-precision backward": AttentionQuant(reuse=False, requantize=False),
+    "high-precision backward": ablated(reuse=False, requantize=False),
     # dS = P ∘ (dP - rowsum(P ∘ dP)): the softmax's gradient of the backward's own dP, so a
     # V operand other than V̂ no longer leaves each row of dS a non-zero sum.
-    "no reuse; delta from dP": AttentionQuant(reuse=False, delta="dp"),
-    "reuse Q̂, K̂ only; delta from dP": AttentionQuant(reuse=("q", "k"), delta="dp"),
-    "Q, K, V stochastically rounded; no reuse; delta from dP": AttentionQuant(
+    "no reuse; delta from dP": ablated(reuse=False, delta="dp"),
+    "reuse Q̂, K̂ only; delta from dP": ablated(reuse=("q", "k"), delta="dp"),
+    "Q, K, V stochastically rounded; no reuse; delta from dP": ablated(
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False, delta="dp"),
-    "high-precision backward; delta from dP": AttentionQuant(reuse=False, requantize=False,
-                                                             delta="dp"),
+    "high-precision backward; delta from dP": ablated(reuse=False, requantize=False,
+                                                      delta="dp"),
 }
 VOCAB = 64
 

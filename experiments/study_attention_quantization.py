@@ -52,32 +52,35 @@ from fp4stack.nn.attention import (
     quantize_along,
     use_fp4_attention,
 )
+from fp4stack.nn.attention_ablation import AttentionAblation
 from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.train.config import load_config
 from fp4stack.train.trainer import open_data
 
+# The configs with the ablation's fields written flat, e.g. ablated(reuse=("v",)).
+ablated = AttentionAblation.quant
 CONFIGS = {
     "Q, K, V, dS; reuse (default)": AttentionQuant.paper(),
     "Q, K, V, dS; no reuse": AttentionQuant(reuse=False),
     "Q, K, V; reuse (dS high precision)": AttentionQuant(ds=None),
     "Q, K, V; no reuse (dS high precision)": AttentionQuant(ds=None, reuse=False),
-    "Q, K, V, dS; reuse V̂ only": AttentionQuant(reuse=("v",)),
-    "Q, K, V, dS; reuse Q̂, K̂ only": AttentionQuant(reuse=("q", "k")),
-    "Q, K, V, dS; reuse, re-blocked": AttentionQuant(reblock=True),
+    "Q, K, V, dS; reuse V̂ only": ablated(reuse=("v",)),
+    "Q, K, V, dS; reuse Q̂, K̂ only": ablated(reuse=("q", "k")),
+    "Q, K, V, dS; reuse, re-blocked": ablated(reblock=True),
     "Q, K, V in 16x16 tiles, dS; reuse": AttentionQuant.tiled(),
-    "Q, K rotated; Q, K, V, dS; reuse": AttentionQuant(rotate_qk=True),
-    "Q, K rotated; Q, K, V, dS; no reuse": AttentionQuant(rotate_qk=True, reuse=False),
-    "Q, K, V, dS; high-precision backward": AttentionQuant(reuse=False, requantize=False),
-    "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims": AttentionQuant(
+    "Q, K rotated; Q, K, V, dS; reuse": ablated(rotate_qk=True),
+    "Q, K rotated; Q, K, V, dS; no reuse": ablated(rotate_qk=True, reuse=False),
+    "Q, K, V, dS; high-precision backward": ablated(reuse=False, requantize=False),
+    "Q, K, V, dS; no reuse, fresh stochastic rounding in the forward's dims": ablated(
         reuse=False, requantize_along="forward", requantize_rounding="stochastic"),
-    "Q, K, V, dS; no reuse, stochastic rounding": AttentionQuant(
+    "Q, K, V, dS; no reuse, stochastic rounding": ablated(
         reuse=False, requantize_rounding="stochastic"),
     "Q, K, V stochastically rounded, dS; reuse": AttentionQuant(
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
     "Q, K, V stochastically rounded, dS; no reuse": AttentionQuant(
         q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
-    "Q, K, V, dS; no reuse, delta from dP": AttentionQuant(reuse=False, delta="dp"),
-    "Q, K, V; no reuse (dS high precision), delta from dP": AttentionQuant(
+    "Q, K, V, dS; no reuse, delta from dP": ablated(reuse=False, delta="dp"),
+    "Q, K, V; no reuse (dS high precision), delta from dP": ablated(
         ds=None, reuse=False, delta="dp"),
     "Q only": AttentionQuant.only("q"),
     "K only": AttentionQuant.only("k"),
@@ -90,7 +93,8 @@ CONFIGS = {
 
 
 # What a quantized recipe's linears add to a checkpoint besides the master weights.
-RECIPE_STATE = ("lowrank_a", "lowrank_b", "weight_amax", "x_amax", "rc_channels")
+RECIPE_STATE = ("lowrank_a", "lowrank_b", "lowrank_forwards", "weight_amax", "x_amax",
+                "rc_channels")
 
 
 def load_model(checkpoint: Path, config: str, device: str):
@@ -177,14 +181,19 @@ def own_forward(q, k, v, do, cfg: AttentionQuant | None = None):
     Q̂, K̂ along d and V̂ along keys with cfg's specs (default: the method's); with rotate_qk,
     Q̂, K̂ of the rotated Q, K and their gradients rotated back."""
     cfg = cfg or AttentionQuant.paper()
-    if cfg.rotate_qk:
+    if rotates(cfg):
         q, k = rht(q), rht(k)
     qh, kh = (quantize_along(t, spec, -1, torch.float64) for t, spec in ((q, cfg.q), (k, cfg.k)))
     vh = quantize_along(v, cfg.v, -2, torch.float64)
     out, dq, dk, dv = exact(qh, kh, vh, do)
-    if cfg.rotate_qk:
+    if rotates(cfg):
         dq, dk = rht_inverse(dq), rht_inverse(dk)
     return out, dq, dk, dv
+
+
+def rotates(cfg: AttentionQuant) -> bool:
+    """Whether cfg rotates Q and K (AttentionAblation.rotate_qk) before quantizing them."""
+    return cfg.ablation is not None and cfg.ablation.rotate_qk
 
 
 def run(cfg: AttentionQuant, q, k, v, do, backend: str = "torch"):
@@ -210,7 +219,7 @@ def errors(cfg: AttentionQuant, sample, refs) -> list[float]:
     got = run(cfg, *sample)
     rel = [((a - b).norm() / b.norm()).item() for a, b in zip(got, refs[0], strict=True)]
     if has_own_forward(cfg):
-        default = (cfg.q, cfg.k, cfg.v) == (NVFP4_RNE,) * 3 and not cfg.rotate_qk
+        default = (cfg.q, cfg.k, cfg.v) == (NVFP4_RNE,) * 3 and not rotates(cfg)
         own = refs[1] if default else own_forward(*sample, cfg)
         rel += [((a - b).norm() / b.norm()).item()
                 for a, b in zip(got[1:], own[1:], strict=True)]
@@ -272,7 +281,7 @@ def kernel_table(samples) -> None:
             got = [t.double() for t in run(cfg, *s, backend="triton")]
             # rotate_qk rounds the rotated bf16 Q, K to bf16 before quantizing them; the
             # reference on the same bf16 values does too, the float64 one would not
-            ref = [t.double() for t in run(cfg, *s)] if cfg.rotate_qk else \
+            ref = [t.double() for t in run(cfg, *s)] if rotates(cfg) else \
                 run(cfg, *(t.double() for t in s))
             rows.append([((a - b).norm() / b.norm()).item()
                          for b_set in (want, ref) for a, b in zip(got, b_set, strict=True)])

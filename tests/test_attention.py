@@ -13,9 +13,12 @@ from fp4stack import QuantSpec, fake_quantize
 from fp4stack.formats import hadamard
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.attention import AttentionQuant, fp4_attention, use_fp4_attention
+from fp4stack.nn.attention_ablation import AttentionAblation
 from fp4stack.nn.attention_quant import NVFP4_SR
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
+# An AttentionQuant with the ablation's fields written flat, e.g. ablated(reuse=("v",)).
+ablated = AttentionAblation.quant
 
 
 def inputs(B=1, H=2, S=32, L=None, d=32, Hkv=None, dtype=torch.float64, seed=0):
@@ -125,7 +128,7 @@ def test_off_decode_gqa_and_scale_match_sdpa():
     (("q", "k"), False, True)])
 def test_default_matches_fake_quant_reference(S, L, d, reuse, requantize, reblock):
     qkv, do = inputs(S=S, L=L, d=d, seed=S + L + d)
-    cfg = AttentionQuant(reuse=reuse, requantize=requantize, reblock=reblock)
+    cfg = ablated(reuse=reuse, requantize=requantize, reblock=reblock)
     got = run(qkv, do, config=cfg)
     want = reference(qkv, do, causal_mask(S, L), reuse, requantize, reblock)
     assert_all_close(got, want, **TIGHT)
@@ -136,7 +139,7 @@ def test_reblock_is_a_second_rounding_of_the_forward_values():
     numbers from both), never the output or dv; and it stays closer to plain reuse's dq than no
     reuse does, since it starts from the forward's values."""
     qkv, do = inputs(S=48, d=32, seed=5)
-    reuse, reblock, fresh = (run(qkv, do, config=AttentionQuant(**kw)) for kw in (
+    reuse, reblock, fresh = (run(qkv, do, config=ablated(**kw)) for kw in (
         {}, {"reblock": True}, {"reuse": False}))
     assert torch.equal(reuse[0], reblock[0]) and torch.equal(reuse[3], reblock[3])
     for i in (1, 2):
@@ -162,7 +165,7 @@ def test_tiles_match_fake_quant_reference(S, L, d, kw):
     blocks along each GEMM's reduction, as by default)."""
     qkv, do = inputs(S=S, L=L, d=d, seed=S * 3 + L + d)
     tiles = QuantSpec(block=(16, 16), nan_policy="propagate")
-    got = run(qkv, do, config=AttentionQuant(q=tiles, k=tiles, v=tiles, **kw))
+    got = run(qkv, do, config=ablated(q=tiles, k=tiles, v=tiles, **kw))
     q, k, v = (t.detach().double() for t in qkv)
     qh, kh, vh = fq_tiles(q), fq_tiles(k), fq_tiles(v)
     scale = 1 / math.sqrt(d)
@@ -185,7 +188,7 @@ def rotated(t):
 def test_rotate_qk_is_the_reference_on_rotated_q_and_k(S, L, d, Hkv, reuse):
     """rotate_qk: the default config on (Q R, K R) with R orthogonal; dQ, dK come back by Rᵀ."""
     qkv, do = inputs(S=S, L=L, d=d, H=2, Hkv=Hkv, seed=S + d)
-    got = run(qkv, do, config=AttentionQuant(rotate_qk=True, reuse=reuse))
+    got = run(qkv, do, config=ablated(rotate_qk=True, reuse=reuse))
     (qr, m), (kr, _) = rotated(qkv[0]), rotated(qkv[1])
     rep = 2 // Hkv
     k, v = (t.detach().repeat_interleave(rep, dim=1) for t in (kr, qkv[2]))
@@ -337,7 +340,7 @@ def test_requantize_along_forward_dims_rounding_alike_is_reuse(rounding):
     """Re-quantizing the unquantized Q, K, V along the forward's own block dims with the same
     rounding gives the forward's bits: the same numbers as reuse."""
     qkv, do = inputs(S=33, L=40, d=32, seed=4)
-    cfg = AttentionQuant(reuse=False, requantize_along="forward", requantize_rounding=rounding)
+    cfg = ablated(reuse=False, requantize_along="forward", requantize_rounding=rounding)
     assert_all_close(run(qkv, do, config=cfg), run(qkv, do), rtol=0, atol=0)
 
 
@@ -348,7 +351,7 @@ def test_requantize_with_stochastic_rounding_is_fresh_and_unbiased():
     unquantized V and K in those GEMMs (S and P still the forward's)."""
     torch.manual_seed(0)  # the stochastic rounding's seeds come from torch's generator
     qkv, do = inputs(S=32, d=32, seed=6)
-    cfg = AttentionQuant(ds=None, reuse=False, requantize_rounding="stochastic")
+    cfg = ablated(ds=None, reuse=False, requantize_rounding="stochastic")
     draws = [run(qkv, do, config=cfg) for _ in range(64)]
     assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][3], draws[1][3])
     assert not torch.equal(draws[0][1], draws[1][1])
@@ -378,11 +381,11 @@ def test_delta_from_dp_is_the_softmax_gradient_of_the_backwards_dp(S, L, causal)
     if causal:
         s = s.masked_fill(~causal_mask(S, L), float("-inf"))
     (torch.softmax(s, -1) @ fq(qkv[2].detach(), -1)).backward(do)
-    cfg = AttentionQuant(q=None, k=None, ds=None, reuse=False, delta="dp")
+    cfg = ablated(q=None, k=None, ds=None, reuse=False, delta="dp")
     _, dq, dk, _ = run(qkv, do, config=cfg, causal=causal)
     torch.testing.assert_close(dq, q.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dk, k.grad, rtol=1e-10, atol=1e-12)
-    _, dq_out, dk_out, _ = run(qkv, do, config=replace(cfg, delta="output"), causal=causal)
+    _, dq_out, dk_out, _ = run(qkv, do, config=replace(cfg, ablation=None), causal=causal)
     assert not torch.allclose(dq_out, q.grad, rtol=1e-3)
     assert not torch.allclose(dk_out, k.grad, rtol=1e-3)
 
@@ -391,7 +394,7 @@ def test_delta_from_dp_is_flash_attentions_delta_under_reuse():
     """With the forward's V̂ in dP, rowsum(P ∘ dP) = rowsum(dO ∘ P V̂) = rowsum(dO ∘ O)."""
     qkv, do = inputs(S=33, L=40, d=32, seed=6)
     cfg = AttentionQuant(ds=None)
-    assert_all_close(run(qkv, do, config=replace(cfg, delta="dp")), run(qkv, do, config=cfg),
+    assert_all_close(run(qkv, do, config=ablated(ds=None, delta="dp")), run(qkv, do, config=cfg),
                      rtol=1e-10, atol=1e-12)
 
 
@@ -459,43 +462,43 @@ def test_config_validation():
     with pytest.raises(TypeError, match="reuse"):
         AttentionQuant(reuse=1)
     with pytest.raises(ValueError, match="unknown name.*'o'"):
-        AttentionQuant(reuse=("q", "o"))
+        ablated(reuse=("q", "o"))
     # One spelling per reuse set: all is True, none is False, else the names in q, k, v, p order.
-    assert AttentionQuant(reuse=("p", "v", "k", "q")) == AttentionQuant()
-    assert AttentionQuant(reuse=()).reuse is False
-    partial = AttentionQuant(reuse=["v", "q"])
-    assert partial.reuse == ("q", "v") and partial.reuses("v") and not partial.reuses("k")
+    assert ablated(reuse=("p", "v", "k", "q")) == AttentionQuant()
+    assert ablated(reuse=()).reuse is False
+    partial = ablated(reuse=["v", "q"])
+    assert partial.ablation.reuse == ("q", "v") and partial.reuses("v") and not partial.reuses("k")
     assert partial.describe() == "quantized: q, k, v, ds; reuse=q,v"
     with pytest.raises(ValueError, match="not one of"):
         partial.reuses("ds")
     with pytest.raises(ValueError, match="requantize=False.*set reuse=False"):
-        AttentionQuant(requantize=False)
+        ablated(requantize=False)
     with pytest.raises(TypeError, match="requantize"):
-        AttentionQuant(reuse=False, requantize=0)
-    assert AttentionQuant(reuse=False, requantize=False).describe() == (
+        ablated(reuse=False, requantize=0)
+    assert ablated(reuse=False, requantize=False).describe() == (
         "quantized: q, k, v, ds; reuse=False; the others unquantized in the backward")
     with pytest.raises(ValueError, match="reblock=True.*set reuse=True"):
-        AttentionQuant(reuse=False, reblock=True)
+        ablated(reuse=False, reblock=True)
     with pytest.raises(TypeError, match="reblock"):
-        AttentionQuant(reblock=1)
-    assert AttentionQuant(reuse=("v",), reblock=True).describe() == (
+        ablated(reblock=1)
+    assert ablated(reuse=("v",), reblock=True).describe() == (
         "quantized: q, k, v, ds; reuse=v; reused values re-blocked")
     assert AttentionQuant(p=QuantSpec.none()).p is None
     assert not AttentionQuant.off().quantizes and AttentionQuant.paper() == AttentionQuant()
     assert AttentionQuant.paper().describe() == "quantized: q, k, v, ds; reuse=True"
     with pytest.raises(TypeError, match="rotate_qk"):
-        AttentionQuant(rotate_qk=1)
+        ablated(rotate_qk=1)
     with pytest.raises(ValueError, match="rotate_qk=True.*neither q nor k"):
-        AttentionQuant(q=None, k=None, rotate_qk=True)
+        ablated(q=None, k=None, rotate_qk=True)
     with pytest.raises(ValueError, match="requantize_along must be one of"):
-        AttentionQuant(reuse=False, requantize_along="keys")
+        ablated(reuse=False, requantize_along="keys")
     with pytest.raises(ValueError, match="requantize_rounding must be None"):
-        AttentionQuant(reuse=False, requantize_rounding="sr")
+        ablated(reuse=False, requantize_rounding="sr")
     with pytest.raises(ValueError, match="re-quantizes none: set reuse=False"):
-        AttentionQuant(requantize_along="forward")
+        ablated(requantize_along="forward")
     with pytest.raises(ValueError, match="re-quantizes none"):
-        AttentionQuant(reuse=False, requantize=False, requantize_rounding="stochastic")
-    assert AttentionQuant(reuse=False, requantize_along="forward",
+        ablated(reuse=False, requantize=False, requantize_rounding="stochastic")
+    assert ablated(reuse=False, requantize_along="forward",
                           requantize_rounding="stochastic").describe() == (
         "quantized: q, k, v, ds; reuse=False; the others re-quantized along the forward dims "
         "with stochastic rounding")
@@ -503,14 +506,24 @@ def test_config_validation():
     assert AttentionQuant(q=NVFP4_SR, v=sr_tiles).describe() == (
         "quantized: q (stochastic), k, v (16x16 tiles, stochastic), ds; reuse=True")
     with pytest.raises(ValueError, match="delta must be one of"):
-        AttentionQuant(delta="o")
-    assert AttentionQuant(reuse=False, delta="dp").describe() == (
+        ablated(delta="o")
+    assert ablated(reuse=False, delta="dp").describe() == (
         "quantized: q, k, v, ds; reuse=False; delta = rowsum(P ∘ dP)")
-    assert AttentionQuant(rotate_qk=True).describe().endswith(
+    assert ablated(rotate_qk=True).describe().endswith(
         "; Q, K Hadamard-rotated along head_dim")
+    # The ablation is one optional field: one that changes nothing is stored as None, a
+    # partial reuse stands in for reuse=False only, and the field takes an AttentionAblation.
+    assert AttentionQuant(reuse=False, ablation=AttentionAblation()).ablation is None
+    assert ablated(reuse=False, delta="output") == AttentionQuant(reuse=False)
+    with pytest.raises(ValueError, match="partial reuse.*set reuse=False"):
+        AttentionQuant(ablation=AttentionAblation(reuse=("v",)))
+    with pytest.raises(ValueError, match=r"not a partial reuse.*reuse=True\) for all"):
+        AttentionAblation(reuse=("q", "k", "v", "p"))
+    with pytest.raises(TypeError, match="AttentionQuant.ablation must be an AttentionAblation"):
+        AttentionQuant(ablation={"reblock": True})
     (q, k, v), _ = inputs(S=4, d=24)
     with pytest.raises(ValueError, match="rotate_qk=True needs head_dim.*multiple of 16, got 24"):
-        fp4_attention(q, k, v, config=AttentionQuant(rotate_qk=True))
+        fp4_attention(q, k, v, config=ablated(rotate_qk=True))
     (q, k, v), _ = inputs(S=4, d=16)
     with pytest.raises(ValueError, match="head_dim"):
         fp4_attention(q, k[..., :8], v[..., :8])

@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 
 import fp4stack.nn.attention as attention
+import fp4stack.nn.attention_ablation as ablation_ops
 import fp4stack.nn.attention_kernels as attention_kernels
 from fp4stack import fake_quantize
 from fp4stack.formats.spec import QuantSpec
 from fp4stack.nn.attention import NVFP4_RNE, AttentionQuant, fp4_attention
+from fp4stack.nn.attention_ablation import AttentionAblation
 from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 
 pytest.importorskip("triton")
@@ -37,6 +39,9 @@ from fp4stack.kernels.attention import (  # noqa: E402
     quantized_operands,
 )
 from fp4stack.kernels.attention_bwd import backward_units  # noqa: E402
+
+# An AttentionQuant with the ablation's fields written flat, e.g. ablated(reuse=("v",)).
+ablated = AttentionAblation.quant
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -299,7 +304,7 @@ def test_backend_choice():
 
 
 @pytest.mark.parametrize("cfg", [AttentionQuant.paper(), AttentionQuant(reuse=False),
-                                 AttentionQuant(rotate_qk=True)],
+                                 ablated(rotate_qk=True)],
                          ids=["paper", "noreuse", "rotated"])
 def test_gpt_trains_through_the_kernels(cfg):
     # The path the fullstack recipes take on a GPU (each block's attend hook -> the kernels; GQA
@@ -331,20 +336,20 @@ def test_gpt_trains_through_the_kernels(cfg):
 NOREUSE, DS_HP = AttentionQuant(reuse=False), AttentionQuant(ds=None)
 BOTH = AttentionQuant(reuse=False, ds=None)
 # Partial reuse: the forward's V̂ in dP only; the forward's Q̂ and K̂ in dK and dQ only.
-REUSE_V, REUSE_QK = AttentionQuant(reuse=("v",)), AttentionQuant(reuse=("q", "k"))
+REUSE_V, REUSE_QK = ablated(reuse=("v",)), ablated(reuse=("q", "k"))
 # The backward on the unquantized tensors it does not reuse (all of them; all but V̂).
-HP_BWD = AttentionQuant(reuse=False, requantize=False)
-HP_BWD_V = AttentionQuant(reuse=("v",), requantize=False)
+HP_BWD = ablated(reuse=False, requantize=False)
+HP_BWD_V = ablated(reuse=("v",), requantize=False)
 # Re-blocked reuse: the forward's values quantized again along each backward GEMM's reduction
 # dim (all reused; V̂ only; Q̂, K̂ only with V unquantized in the backward).
-REBLOCK = AttentionQuant(reblock=True)
-REBLOCK_V = AttentionQuant(reuse=("v",), reblock=True)
-REBLOCK_QK_HP = AttentionQuant(reuse=("q", "k"), requantize=False, reblock=True)
+REBLOCK = ablated(reblock=True)
+REBLOCK_V = ablated(reuse=("v",), reblock=True)
+REBLOCK_QK_HP = ablated(reuse=("q", "k"), requantize=False, reblock=True)
 # delta = rowsum(P ∘ dP) from the backward's own dP (a sweep of its own in the first pass):
 # without reuse, with dS in high precision too (that pass then only sums), and with reuse.
-NOREUSE_DELTA = AttentionQuant(reuse=False, delta="dp")
-BOTH_DELTA = AttentionQuant(reuse=False, ds=None, delta="dp")
-REUSE_DELTA = AttentionQuant(delta="dp")
+NOREUSE_DELTA = ablated(reuse=False, delta="dp")
+BOTH_DELTA = ablated(reuse=False, ds=None, delta="dp")
+REUSE_DELTA = ablated(delta="dp")
 ABLATIONS = dict(noreuse=NOREUSE, ds_hp=DS_HP, reuse_v=REUSE_V, reuse_qk=REUSE_QK,
                  hp_bwd=HP_BWD, hp_bwd_v=HP_BWD_V, reblock=REBLOCK, reblock_v=REBLOCK_V,
                  reblock_qk_hp=REBLOCK_QK_HP, noreuse_delta=NOREUSE_DELTA,
@@ -364,7 +369,9 @@ def test_backward_operands_bit_exact():
         assert torch.equal(u * dec[i], fq_along(t, dim, amax[i]))
     # Partial reuse: the reused names' saved units are passed through as they are.
     fwd = units_kernels.quantize_operands(q, k, v, amax, tile)
-    got = units_kernels.backward_operands(fwd[0], k, fwd[2], amax, tile, ("q", "v"))
+    assert all(torch.equal(a, b) for a, b in zip(
+        ablation_ops.requantized_operands(q, k, v, amax, tile), units, strict=True))
+    got = ablation_ops.requantized_operands(fwd[0], k, fwd[2], amax, tile, ("q", "v"))
     assert got[0] is fwd[0] and got[3] is fwd[0] and got[2] is fwd[2]
     assert torch.equal(got[1], units[1]) and torch.equal(got[4], units[4])
 
@@ -377,14 +384,14 @@ def test_reblocked_operands_bit_exact():
     amax = fwd_kernels.amaxes(q, k, v)
     tile = fwd_kernels.tiles_for(q, None)["quant"]
     qu, ku, vu = units_kernels.quantize_operands(q, k, v, amax, tile)
-    got = units_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("q", "k", "v"))
+    got = ablation_ops.reblocked_operands(vu, qu, ku, amax, tile, ("q", "k", "v"))
     dec = amax * (1.0 / (units_kernels.SCALE_MAX * 6.0))
     want = [(fq_along(v, -2, amax[2]), 2, -1), (fq_along(q, -1, amax[0]), 0, -2),
             (fq_along(k, -1, amax[1]), 1, -2)]
     for u, (hat, i, dim) in zip(got, want, strict=True):
         again = fq_along(hat, dim, amax[i])
         assert torch.equal(u * dec[i], again) and not torch.equal(again, hat)
-    partial = units_kernels.reblocked_operands(vu, qu, ku, amax, tile, ("v",))
+    partial = ablation_ops.reblocked_operands(vu, qu, ku, amax, tile, ("v",))
     assert partial[1] is qu and partial[2] is ku and torch.equal(partial[0], got[0])
 
 
@@ -486,11 +493,11 @@ def test_ablation_bf16(cfg, rel):
 STOCHASTIC = dict(
     sr_qkv=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
     sr_qkv_noreuse=AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR, reuse=False),
-    sr_k_reuse_v=AttentionQuant(k=NVFP4_SR, reuse=("v",), requantize_rounding="rne"),
-    fresh_sr=AttentionQuant(reuse=False, requantize_along="forward",
+    sr_k_reuse_v=ablated(k=NVFP4_SR, reuse=("v",), requantize_rounding="rne"),
+    fresh_sr=ablated(reuse=False, requantize_along="forward",
                             requantize_rounding="stochastic"),
-    noreuse_sr=AttentionQuant(reuse=False, requantize_rounding="stochastic", ds=None),
-    sr_hp_bwd=AttentionQuant(q=NVFP4_SR, v=NVFP4_SR, reuse=False, requantize=False),
+    noreuse_sr=ablated(reuse=False, requantize_rounding="stochastic", ds=None),
+    sr_hp_bwd=ablated(q=NVFP4_SR, v=NVFP4_SR, reuse=False, requantize=False),
 )
 
 
@@ -532,8 +539,9 @@ def test_stochastic_matches_reference(name, S, L, d, Hkv):
     got = grads(q, k, v, do, True, "triton", config=cfg)
     torch.manual_seed(7)
     assert_grads_close(got, grads(q, k, v, do, True, "torch", config=cfg), **GRAD_TOL)
+    rounding = None if cfg.ablation is None else replace(cfg.ablation, requantize_rounding=None)
     rne = replace(cfg, **{n: NVFP4_RNE for n in "qkv" if getattr(cfg, n) == NVFP4_SR},
-                  requantize_rounding=None)
+                  ablation=rounding)
     nearest = grads(q, k, v, do, True, "triton", config=rne)
     assert max((a - b).abs().max() for a, b in zip(got[1:], nearest[1:], strict=True)) > 1e-3
 
@@ -562,7 +570,7 @@ def test_triton_configs():
     any other spec or flag stays on the reference, and backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
     tiled = [replace(TILED, **kw) for kw in ({}, {"reuse": False}, {"ds": None})]
-    rotated = [AttentionQuant(rotate_qk=True), AttentionQuant(rotate_qk=True, reuse=False)]
+    rotated = [ablated(rotate_qk=True), ablated(rotate_qk=True, reuse=False)]
     for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled,
                 *rotated):
         assert attention_kernels.triton_unsupported(q, cfg, None) == "", cfg
@@ -572,9 +580,10 @@ def test_triton_configs():
                 AttentionQuant(dp=NVFP4_RNE), AttentionQuant(v=None, reuse=False),
                 AttentionQuant(ds=NVFP4_SR), AttentionQuant(q=QuantSpec(), ds=None),
                 AttentionQuant(q=QuantSpec(rounding="stochastic")),
-                AttentionQuant(q=NVFP4_SR, reblock=True),
-                AttentionQuant(reuse=("v",), reblock=True, requantize_rounding="stochastic"),
-                replace(TILED, reuse=False, requantize_rounding="stochastic"),
+                ablated(q=NVFP4_SR, reblock=True),
+                ablated(reuse=("v",), reblock=True, requantize_rounding="stochastic"),
+                replace(TILED, reuse=False,
+                        ablation=AttentionAblation(requantize_rounding="stochastic")),
                 AttentionQuant.off()):
         why = attention_kernels.triton_unsupported(q, cfg, None)
         assert "any reuse and ds=None, and Q, K, V in 16x16 tiles" in why, cfg
@@ -685,7 +694,8 @@ def test_tiled_gqa_and_the_configs_the_kernels_leave_to_the_reference():
     got = grads(q, k, v, do, True, "triton", config=TILED, scale=0.3)
     assert_grads_close(got, grads(q, k, v, do, True, "torch", config=TILED, scale=0.3),
                        **GRAD_TOL)
-    for cfg in (replace(TILED, reblock=True), replace(TILED, reuse=False, requantize=False),
+    for cfg in (replace(TILED, ablation=AttentionAblation(reblock=True)),
+                replace(TILED, reuse=False, ablation=AttentionAblation(requantize=False)),
                 replace(TILED, v=NVFP4_RNE)):
         with pytest.raises(ValueError, match="16x16 tiles"):
             fp4_attention(q, k, v, config=cfg, backend="triton")

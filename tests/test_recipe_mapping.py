@@ -30,7 +30,9 @@ w_dgrad: {block: [1, 16]}
     ("fullstack-nvidia-sr-qkv",
      {"preset": "fullstack-nvidia", "attention": {t: {"rounding": "stochastic"} for t in "qkv"}}),
     ("fullstack-nvidia-noreuse-delta",
-     {"preset": "fullstack-nvidia", "attention": {"reuse": False, "delta": "dp"}}),
+     {"preset": "fullstack-nvidia", "attention": {"reuse": False, "ablation": {"delta": "dp"}}}),
+    ("fullstack-nvidia-reuse-v",
+     {"preset": "fullstack-nvidia", "attention": {"reuse": False, "ablation": {"reuse": ["v"]}}}),
     ("fullstack-ds-hp", {"preset": "fullstack", "attention": {"ds": None}}),
     ("lowrank", {"preset": "nvfp4", "lowrank": {}}),
     ("nvfp4", {"preset": "lowrank", "lowrank": None}),
@@ -75,6 +77,12 @@ def test_scoped_preset_in_a_mapping():
      r"recipe\.attention\.q: QuantSpec\.rounding"),
     ({"preset": "fullstack", "attention": {"resue": False}}, r"recipe\.attention\.resue: "
                                                              r"unknown field"),
+    ({"preset": "fullstack", "attention": {"ablation": {"reblok": True}}},
+     r"recipe\.attention\.ablation\.reblok: unknown field \(did you mean 'reblock'\?\)"),
+    ({"preset": "fullstack", "attention": {"ablation": {"reuse": ["v"]}}},
+     r"recipe\.attention: AttentionAblation\.reuse names .* set reuse=False"),
+    ({"preset": "fullstack", "attention": {"ablation": "reblock"}},
+     r"recipe\.attention\.ablation: expected a mapping of AttentionAblation fields"),
     ({"preset": "nvfp4", "lowrank": {"rank": 0}}, r"recipe\.lowrank: LowRank\.rank must be"),
     ({"preset": "nvfp4", "keep_last_blocks": -1}, r"recipe: Recipe\.keep_first_blocks and "
                                                    r"keep_last_blocks must be >= 0"),

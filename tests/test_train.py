@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from fp4stack.cli import main
 from fp4stack.data import write_shard
 from fp4stack.models.gpt import GPT
-from fp4stack.nn.attention import AttentionQuant
+from fp4stack.nn.attention_ablation import AttentionAblation
 from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.nn.recipe import LowRank
 from fp4stack.nn.recipe import recipe as get_recipe
@@ -640,8 +640,9 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
         if name.endswith("fresh-sr"):
             how["requantize_along"] = "forward"
         delta = "dp" if name.endswith("delta") else "output"
-        assert r.attention == AttentionQuant(reuse=want, requantize=not hp, reblock=reblock,
-                                             rotate_qk=rotate, delta=delta, **specs, **how), name
+        assert r.attention == AttentionAblation.quant(
+            reuse=want, requantize=not hp, reblock=reblock, rotate_qk=rotate, delta=delta,
+            **specs, **how), name
         assert ("Hadamard-rotated" in r.attention.describe()) == rotate, name
         assert r.attention.describe().count("16x16 tiles") == (
             3 if name.endswith("tiles") else 0), name

@@ -12,6 +12,7 @@ import study_attention_step as step
 import torch
 
 from fp4stack.nn.attention import AttentionQuant
+from fp4stack.nn.attention_ablation import AttentionAblation
 from fp4stack.nn.attention_quant import NVFP4_SR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def test_own_forward_is_what_reuse_differentiates():
     assert len(reuse) == 7 and reuse[4:] == [0.0, 0.0, 0.0]
     assert 0.02 < reuse[1] < 1  # but not exact attention's gradient
     for cfg in (AttentionQuant(ds=None, reuse=False),
-                AttentionQuant(ds=None, reuse=False, requantize=False)):
+                AttentionAblation.quant(ds=None, reuse=False, requantize=False)):
         assert min(study.errors(cfg, s, refs)[4:6]) > 0.02, cfg
     assert len(study.errors(AttentionQuant.only("q"), s, refs)) == 4  # no own forward
     # 16x16 tiles: the own forward is attention on the tiled Q̂, K̂, V̂, which any reuse

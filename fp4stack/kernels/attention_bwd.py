@@ -279,10 +279,11 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
     qu, ku: Q̂, K̂ with blocks along d (S is recomputed from them); vu: the V̂ of dP = dO V̂ᵀ.
     Tensor reuse (q_dk, k_dq None): vu is the forward's (blocks along keys) and dK, dQ multiply
     by qu, ku. reuse=False: vu has blocks along d, q_dk (blocks along queries) and k_dq (along
-    keys) are given, all from attention_units.backward_operands (a partial reuse passes the
-    forward's units for the operands it reuses). quant_ds False (ds=None): dS enters
-    the dK and dQ dots unquantized (rounded to the dot dtype), there is no amax pass and ds_amax
-    is None. do [B, H, S, d] is made contiguous. dbg (debug=True, else None) is
+    keys) are given, all from attention_units.backward_operands (an ablation's, from
+    fp4stack.nn.attention_ablation, may pass the forward's units for some). quant_ds False
+    (ds=None): dS enters the dK and dQ dots unquantized (rounded to the dot dtype), there is
+    no amax pass and ds_amax is None. do [B, H, S, d] is made contiguous. dbg (debug=True, else
+    None) is
     [4, B, H, S, L] fp32: the raw dS the dK pass used, its dK operand's values (dŜ along queries),
     the raw dS the dQ pass used, its dQ operand's values (dŜ along keys); tiles no program
     visited stay NaN. deterministic: a dQ pass of its own instead of atomic adds (None:

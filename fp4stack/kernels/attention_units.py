@@ -1,6 +1,7 @@
 """The NVFP4 operands of the attention kernels, as "units": the prologue that quantizes Q, K, V
-for the forward (tensor reuse keeps them for the backward), and the backward's other operands
-(re-quantized along each GEMM's reduction dim, re-blocked, or unquantized).
+for the forward (tensor reuse keeps them for the backward), and the backward's operands without
+reuse (re-quantized along each GEMM's reduction dim). The ablations' other operands
+(fp4stack.nn.attention_ablation) are built from quantize_units and unit_values.
 
 quantize_units_kernel takes one program per 16-multiple row tile of a [B, H, N, d] tensor and
 quantizes it from its global amax with the jit helpers of the NVFP4 kernels, so the values are
@@ -121,64 +122,24 @@ def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile, tiled: bool = Fal
             for i, (t, axis, seed) in enumerate(zip((q, k, v), axes, seeds, strict=True))]
 
 
-def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...] = (),
+def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile,
                       score_seeds: tuple[int | None, int | None] = (None, None),
-                      fresh_seeds: tuple[int | None, ...] = (None, None, None),
-                      along_forward: bool = False):
-    """The units of the backward GEMMs when the backward does not reuse all of the forward's
-    (reuse=False, the ablation, or a partial reuse): (Q̂, K̂ along d, V̂ for dP = dO V̂ᵀ, Q̂ for
-    dK = dŜᵀ Q̂, K̂ for dQ = dŜ K̂). q, k, v are the forward's units for the names in `reused`,
-    which are used as they are (Q̂, K̂ along d, V̂ along keys), and the raw tensors otherwise,
-    quantized afresh with the forward's amaxes (a tensor's global amax does not depend on the
-    axis of its blocks): Q̂, K̂ along d, with the forward's seeds score_seeds (S recomputed bit
-    for bit as in the forward); the other three along each GEMM's own reduction dim (V̂ along
-    d, Q̂ along queries, K̂ along keys), or with along_forward along the forward's dims (V̂
-    along keys, Q̂ and K̂ along d), with fresh_seeds (of Q̂ for dK, K̂ for dQ, V̂ for dP; None:
-    round to nearest even)."""
-    def units(t, i, axis, seed=None):
+                      seeds: tuple[int | None, ...] = (None, None, None)):
+    """The units of the backward GEMMs without tensor reuse (reuse=False): (Q̂, K̂ along d, V̂
+    for dP = dO V̂ᵀ, Q̂ for dK = dŜᵀ Q̂, K̂ for dQ = dŜ K̂) from the raw q, k, v, quantized
+    afresh with the forward's amaxes (a tensor's global amax does not depend on the axis of its
+    blocks): Q̂, K̂ along d with the forward's seeds score_seeds (S recomputed bit for bit as in
+    the forward); the other three along each GEMM's own reduction dim (V̂ along d, Q̂ along
+    queries, K̂ along keys) with `seeds` (of Q̂ for dK, K̂ for dQ, V̂ for dP; None: round to
+    nearest even)."""
+    def units(t, i, axis, seed):
         return quantize_units(t, amax[i:], axis, tile, seed)
 
-    qk_axis, v_axis = (1, 0) if along_forward else (0, 1)
-    q_seed, k_seed, v_seed = fresh_seeds
-    qu, q_dk = (q, q) if "q" in reused else \
-        (units(q, 0, 1, score_seeds[0]), units(q, 0, qk_axis, q_seed))
-    ku, k_dq = (k, k) if "k" in reused else \
-        (units(k, 1, 1, score_seeds[1]), units(k, 1, qk_axis, k_seed))
-    vu = v if "v" in reused else units(v, 2, v_axis, v_seed)
-    return qu, ku, vu, q_dk, k_dq
+    return (units(q, 0, 1, score_seeds[0]), units(k, 1, 1, score_seeds[1]),
+            units(v, 2, 1, seeds[2]), units(q, 0, 0, seeds[0]), units(k, 1, 0, seeds[1]))
 
 
 def unit_values(units: torch.Tensor, amax: torch.Tensor, i: int) -> torch.Tensor:
     """The fp32 values of tensor i's units: units times its global decode factor amax[i] /
     2688, multiplied as the quantize kernels do (so, bit for bit, the reference's values)."""
     return units.float() * (amax[i] * (1.0 / (SCALE_MAX * 6.0)))
-
-
-def reblocked_operands(vu, q_dk, k_dq, amax: torch.Tensor, tile: Tile, reused: tuple[str, ...]):
-    """reblock=True: the reused units of the backward's dP, dK and dQ operands (V̂ along keys,
-    Q̂ and K̂ along d) re-quantized along those GEMMs' reduction dims (V̂ along d, Q̂ along the
-    queries, K̂ along the keys) with the forward's amaxes: a second NVFP4 rounding of the
-    forward's values. The others pass through. Returns (vu, q_dk, k_dq)."""
-    def again(u, i, axis):
-        return quantize_units(unit_values(u, amax, i), amax[i:], axis, tile).to(u.dtype)
-
-    vu = again(vu, 2, 1) if "v" in reused else vu
-    q_dk = again(q_dk, 0, 0) if "q" in reused else q_dk
-    k_dq = again(k_dq, 1, 0) if "k" in reused else k_dq
-    return vu, q_dk, k_dq
-
-
-def unquantized_operands(q, k, v, amax: torch.Tensor, reused: tuple[str, ...] = ()):
-    """requantize=False: the backward takes each of q, k, v it does not reuse unquantized, as
-    its own units with a decode factor of exactly 1 (its amax set to 6 * 448: amax / (6 * 448)
-    is exactly 1 in fp32); the ones in `reused` are the forward's units. Returns
-    backward_operands' five operands and the amaxes to decode them with."""
-    amax = amax.clone()
-    ops = []
-    for i, (name, t) in enumerate(zip("qkv", (q, k, v), strict=True)):
-        if name not in reused:
-            t = t.contiguous()
-            amax[i] = 6.0 * SCALE_MAX
-        ops.append(t)
-    qu, ku, vu = ops
-    return qu, ku, vu, qu, ku, amax

@@ -5,9 +5,10 @@ maths, and use_fp4_attention, which puts it into a model's attention blocks.
 Every GEMM quantizes its operands in 1x16 blocks along its own reduction dimension (an NVFP4 GEMM
 applies its block scales along K): Q and K along head_dim for S = Q Kᵀ, V along the keys for
 O = P V, dS along the keys for dQ and along the queries for dK. AttentionQuant
-(attention_quant.py) says which tensors are quantized and which of the forward's quantized
-tensors the backward reuses; by default Q, K, V and dS are NVFP4 and the backward multiplies by
-the forward's Q̂, K̂, V̂ (tensor reuse). The softmax, its statistics and every accumulation stay
+(attention_quant.py) says which tensors are quantized and whether the backward reuses the
+forward's quantized tensors; by default Q, K, V and dS are NVFP4 and the backward multiplies by
+the forward's Q̂, K̂, V̂ (tensor reuse). The studies' switches (AttentionQuant.ablation) prepare
+their operands in attention_ablation.py. The softmax, its statistics and every accumulation stay
 in high precision (fp32; fp64 for fp64 inputs). Any sequence length: quantize_along pads to whole
 16-blocks with zeros, which change no scale and add nothing to a product.
 
@@ -32,7 +33,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..api import fake_quantize
-from ..formats.hadamard import rht
 from ..formats.spec import QuantSpec
 from .attention_kernels import TritonAttentionFn, triton_unsupported
 from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant, stochastic_seed
@@ -130,9 +130,7 @@ class _FP4AttentionFn(torch.autograd.Function):
         p = _probs(s, lse)
         p_seed = stochastic_seed(cfg.p)
         o = quantize_along(p, cfg.p, -1, dt, p_seed) @ vh
-        # reblock: Q's, K's and V's global amaxes (the forward's scales) for the second
-        # quantization of the reused values
-        amax = torch.stack([t.float().abs().amax() for t in (q, k, v)]) if cfg.reblock else None
+        amax = cfg.ablation.saved_amaxes(q, k, v) if cfg.ablation is not None else None
         ctx.save_for_backward(*saved, o, lse, allowed, amax)
         ctx.scale, ctx.cfg, ctx.dt, ctx.in_dtype = scale, cfg, dt, q.dtype
         ctx.seeds, ctx.groups = (q_seed, k_seed, p_seed), groups
@@ -144,41 +142,28 @@ class _FP4AttentionFn(torch.autograd.Function):
         cfg, dt, scale = ctx.cfg, ctx.dt, ctx.scale
         do = do.to(dt)
         q_seed, k_seed, p_seed = ctx.seeds
-        # Reused: the forward's values (Q̂, K̂ along d, V̂ along keys, P̂ with its seed), with
-        # reblock re-quantized along the GEMM's reduction dim at the forward's amax; else
-        # re-quantized from the unquantized tensor along each GEMM's reduction dim (or as
-        # requantize_along/requantize_rounding say), or (not requantize) the unquantized tensor
-        # itself. S is recomputed from the forward's Q̂, K̂ bits unless requantize=False.
-        def scores_operand(t: Tensor, spec: QuantSpec | None, seed: int | None) -> Tensor:
-            return quantize_along(t, spec if cfg.requantize else None, -1, dt, seed)
 
-        def fresh(t: Tensor, spec: QuantSpec | None, dim: int, forward_dim: int) -> Tensor:
-            dim = forward_dim if cfg.requantize_along == "forward" else dim
-            return quantize_along(t, cfg.fresh_spec(spec) if cfg.requantize else None, dim, dt)
+        def probs(qh: Tensor, kh: Tensor) -> Tensor:
+            return _probs(_scores(qh, _repeat_heads(kh, ctx.groups), scale, allowed), lse)
 
-        def reused(hat: Tensor, spec: QuantSpec | None, dim: int, amax: Tensor | None) -> Tensor:
-            return quantize_along(hat, spec, dim, dt, amax=amax) if cfg.reblock else hat
-
-        amax = (None, None, None) if amax is None else amax
-        if cfg.reuses("q"):
-            qh, q_dk = a, reused(a, cfg.q, -2, amax[0])
-        else:
-            qh, q_dk = scores_operand(a, cfg.q, q_seed), fresh(a, cfg.q, -2, -1)
-        if cfg.reuses("k"):
-            kh, k_dq = b, reused(b, cfg.k, -2, amax[1])
-        else:
-            kh, k_dq = scores_operand(b, cfg.k, k_seed), fresh(b, cfg.k, -2, -1)
-        v_dp = reused(c, cfg.v, -1, amax[2]) if cfg.reuses("v") else fresh(c, cfg.v, -1, -2)
-        kh, k_dq, v_dp = (_repeat_heads(t, ctx.groups) for t in (kh, k_dq, v_dp))
-        p = _probs(_scores(qh, kh, scale, allowed), lse)
-        if cfg.reuses("p"):  # P is recomputed bit for bit, so its amax is the forward's
-            p_amax = p.float().abs().amax() if cfg.reblock and cfg.p is not None else None
-            p_dv = reused(quantize_along(p, cfg.p, -1, dt, p_seed), cfg.p, -2, p_amax)
-        else:
-            p_dv = fresh(p, cfg.p, -2, -1)
+        if cfg.ablation is not None:
+            p, p_dv, q_dk, k_dq, v_dp = cfg.ablation.reference_operands(
+                cfg, (a, b, c), amax, ctx.seeds, probs, dt)
+        elif cfg.reuse:  # the forward's Q̂, K̂, V̂, and P̂ with its seed
+            q_dk, k_dq, v_dp = a, b, c
+            p = probs(a, b)
+            p_dv = quantize_along(p, cfg.p, -1, dt, p_seed)
+        else:  # re-quantized along each GEMM's reduction dim; S from the forward's Q̂, K̂ bits
+            qh, q_dk = quantize_along(a, cfg.q, -1, dt, q_seed), quantize_along(a, cfg.q, -2, dt)
+            kh, k_dq = quantize_along(b, cfg.k, -1, dt, k_seed), quantize_along(b, cfg.k, -2, dt)
+            v_dp = quantize_along(c, cfg.v, -1, dt)
+            p = probs(qh, kh)
+            p_dv = quantize_along(p, cfg.p, -2, dt)
+        k_dq, v_dp = _repeat_heads(k_dq, ctx.groups), _repeat_heads(v_dp, ctx.groups)
         dv = p_dv.transpose(-2, -1) @ do
         dp = quantize_along(do, cfg.dp, -1, dt) @ v_dp.transpose(-2, -1)
-        delta = (p * dp if cfg.delta == "dp" else do * o).sum(dim=-1, keepdim=True)
+        delta_dp = cfg.ablation is not None and cfg.ablation.delta == "dp"
+        delta = (p * dp if delta_dp else do * o).sum(dim=-1, keepdim=True)
         ds = p * (dp - delta)
         dq = (quantize_along(ds, cfg.ds, -1, dt) @ k_dq) * scale
         dk = (quantize_along(ds, cfg.ds, -2, dt).transpose(-2, -1) @ q_dk) * scale
@@ -201,9 +186,9 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     backend: "torch" this module's reference; "triton" the flash kernels of
     fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
-    the default config with any reuse and/or ds=None, with Q, K, V rounded to nearest or
-    stochastically and any requantize_along / requantize_rounding, and to Q, K, V in 16x16
-    tiles, with either delta, mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16
+    the default config with either reuse and/or ds=None, with Q, K, V rounded to nearest or
+    stochastically or in 16x16 tiles, and to most of its ablations (kernel_config in
+    attention_kernels.py), with mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16
     inputs; on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1).
     """
     config = AttentionQuant.paper() if config is None else config
@@ -221,11 +206,8 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
             raise TypeError(f"mask must be a boolean 'may attend' tensor, got {mask.dtype}")
         mask = mask.to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if config.rotate_qk:
-        if q.shape[-1] % _BLOCK:
-            raise ValueError(f"AttentionQuant.rotate_qk=True needs head_dim to be a multiple "
-                             f"of {_BLOCK}, got {q.shape[-1]}: set rotate_qk=False")
-        q, k = _rotate(q), _rotate(k)
+    if config.ablation is not None:  # rotate_qk, before either backend
+        q, k = config.ablation.rotated(q, k)
     why_not = triton_unsupported(q, config, mask) if backend != "torch" else "torch asked"
     if backend == "triton" and why_not:
         raise ValueError(f"fp4_attention(backend='triton'): {why_not}")
@@ -236,11 +218,6 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
 
 
 _BACKENDS = ("auto", "torch", "triton")
-
-
-def _rotate(t: Tensor) -> Tensor:
-    # the fixed butterfly order of rht keeps CPU and GPU bit-identical; autograd backs through it
-    return rht(t).to(t.dtype)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -1,24 +1,27 @@
-"""AttentionQuant: which tensors fp4_attention quantizes, and what its backward reuses.
+"""AttentionQuant: which tensors fp4_attention quantizes, and whether its backward reuses them.
 
-A frozen dataclass with one QuantSpec (or None) per attention tensor and the reuse flags, checked
-on construction so that a bad setting fails where it is written, naming the field. The maths is
-in fp4stack.nn.attention (the torch reference) and fp4stack.kernels.attention (the kernels); what
-each field does, in docs/attention.md.
+A frozen dataclass with one QuantSpec (or None) per attention tensor and the reuse flag, checked
+on construction so that a bad setting fails where it is written, naming the field. The studies'
+switches around tensor reuse are one optional field of their own, an AttentionAblation
+(attention_ablation.py). The maths is in fp4stack.nn.attention (the torch reference) and
+fp4stack.kernels.attention (the kernels); what each field does, in docs/attention.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
 
+if TYPE_CHECKING:  # attention_ablation builds on this module and on the reference
+    from .attention_ablation import AttentionAblation
+
 _FLAGS = ("q", "k", "v", "p", "ds", "dp")
-# The forward tensors the backward can reuse (reuse=True: all, False: none, or a tuple of these).
-_REUSABLE = ("q", "k", "v", "p")
-_REQUANTIZE_ALONG = ("reduction", "forward")
-_ROUNDINGS = ("rne", "stochastic")
-_DELTAS = ("output", "dp")
+# The forward tensors the backward can reuse (reuse=True: all, False: none; an
+# AttentionAblation can name some of them).
+REUSABLE = ("q", "k", "v", "p")
 # The hot-path NVFP4 spec: 1x16 blocks, round to nearest even, no host sync for a NaN check.
 NVFP4_RNE = QuantSpec(nan_policy="propagate")
 # The same with stochastic rounding (a fresh draw per call): for Q, K, V, a forward whose rounding
@@ -31,25 +34,18 @@ NVFP4_TILES = QuantSpec(block=(16, 16), nan_policy="propagate")
 
 @dataclass(frozen=True)
 class AttentionQuant:
-    """Which attention tensors fp4_attention quantizes and what its backward reuses, checked on
-    construction. What each field does, and why, is in docs/attention.md.
+    """Which attention tensors fp4_attention quantizes and whether its backward reuses them,
+    checked on construction. What each field does, and why, is in docs/attention.md.
 
     q, k, v, p, ds, dp: a QuantSpec each (None: high precision). The default is the method's:
         q, k, v and ds in NVFP4 1x16 RNE, p and dp high precision. NVFP4_TILES (16x16 tiles)
         for q, k and v makes one quantization serve every GEMM of both passes.
-    reuse: True (the backward reuses the forward's Q̂, K̂, V̂ and P̂), False (none), or a tuple of
-        some of "q", "k", "v", "p". S is recomputed from the forward's Q̂, K̂ bits (unless
-        requantize=False and Q or K is not reused).
-    requantize: for the tensors not reused, True re-quantizes them for each backward GEMM,
-        False takes them unquantized.
-    requantize_along: "reduction" (default: blocks along each GEMM's reduction dim) or
-        "forward" (along the forward's block dims) for that re-quantization.
-    requantize_rounding: None (the forward spec's rounding), "rne" or "stochastic" for it.
-    reblock: re-quantize the reused values along each backward GEMM's reduction dim, at the
-        forward's global amaxes (the form a native NVFP4 GEMM takes).
-    rotate_qk: multiply Q and K along head_dim by the 16-point random Hadamard transform first.
-    delta: the softmax backward's row term in dS = P ∘ (dP - delta): "output" (rowsum(dO ∘ O),
-        flash attention's) or "dp" (rowsum(P ∘ dP)).
+    reuse: True (tensor reuse: the backward multiplies by the forward's Q̂, K̂, V̂ and P̂) or
+        False (it re-quantizes each of them along its backward GEMM's reduction dim; S is
+        still recomputed from the forward's Q̂, K̂ bits).
+    ablation: None, or an AttentionAblation (fp4stack.nn.attention_ablation): the studies'
+        switches around reuse (partial reuse, re-blocking, how the backward re-quantizes,
+        rotate_qk, delta). One that changes nothing is stored as None.
     """
 
     q: QuantSpec | None = NVFP4_RNE
@@ -58,13 +54,8 @@ class AttentionQuant:
     p: QuantSpec | None = None
     ds: QuantSpec | None = NVFP4_RNE
     dp: QuantSpec | None = None
-    reuse: bool | tuple[str, ...] = True
-    requantize: bool = True
-    reblock: bool = False
-    rotate_qk: bool = False
-    requantize_along: str = "reduction"
-    requantize_rounding: str | None = None
-    delta: str = "output"
+    reuse: bool = True
+    ablation: AttentionAblation | None = None
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -76,46 +67,25 @@ class AttentionQuant:
                 object.__setattr__(self, name, None)  # one spelling of "not quantized"
             elif spec is not None and spec.format == "nvfp4":
                 _check_nvfp4(name, spec)
-        object.__setattr__(self, "reuse", _normalized_reuse(self.reuse))
-        if not isinstance(self.requantize, bool):
-            raise TypeError(f"AttentionQuant.requantize must be a bool, got {self.requantize!r}")
-        if not isinstance(self.reblock, bool):
-            raise TypeError(f"AttentionQuant.reblock must be a bool, got {self.reblock!r}")
-        if self.requantize_along not in _REQUANTIZE_ALONG:
-            raise ValueError(f"AttentionQuant.requantize_along must be one of "
-                             f"{_REQUANTIZE_ALONG}, got {self.requantize_along!r}")
-        if self.requantize_rounding not in (None, *_ROUNDINGS):
-            raise ValueError(f"AttentionQuant.requantize_rounding must be None (the forward "
-                             f"spec's) or one of {_ROUNDINGS}, got {self.requantize_rounding!r}")
-        if self.delta not in _DELTAS:
-            raise ValueError(f"AttentionQuant.delta must be one of {_DELTAS} (rowsum(dO ∘ O) "
-                             f"or rowsum(P ∘ dP)), got {self.delta!r}")
-        how = self.requantize_along != "reduction" or self.requantize_rounding is not None
-        if how and (self.reuse is True or not self.requantize):
-            raise ValueError("AttentionQuant.requantize_along/requantize_rounding say how the "
-                             "backward re-quantizes the tensors it does not reuse, and this "
-                             "config re-quantizes none: set reuse=False (or a tuple) and "
-                             "requantize=True")
-        if not isinstance(self.rotate_qk, bool):
-            raise TypeError(f"AttentionQuant.rotate_qk must be a bool, got {self.rotate_qk!r}")
-        if self.rotate_qk and self.q is None and self.k is None:
-            raise ValueError("AttentionQuant.rotate_qk=True rotates Q and K to quantize them "
-                             "better, and neither q nor k is quantized: set q and/or k, or "
-                             "rotate_qk=False")
-        if self.reblock and self.reuse is False:
-            raise ValueError("AttentionQuant.reblock=True re-quantizes the tensors the backward "
-                             "reuses, and reuse=False reuses none: set reuse=True (or a tuple "
-                             "of the tensors to reuse)")
-        if not self.requantize and self.reuse is True:
-            raise ValueError("AttentionQuant.requantize=False changes the tensors the backward "
-                             "does not reuse, and reuse=True reuses them all: set reuse=False "
-                             "(or a tuple of the tensors to reuse)")
+        if not isinstance(self.reuse, bool):
+            raise TypeError(f"AttentionQuant.reuse must be a bool (True: tensor reuse, False: "
+                            f"re-quantize), got {self.reuse!r}; a partial reuse is "
+                            "AttentionAblation(reuse=(...)) with reuse=False")
+        if self.ablation is not None:
+            # Checked by its own method: attention_ablation imports this module, not back.
+            checked = getattr(self.ablation, "checked", None)
+            if not callable(checked):
+                raise TypeError(f"AttentionQuant.ablation must be an AttentionAblation "
+                                f"(fp4stack.nn.attention_ablation) or None, got "
+                                f"{type(self.ablation).__name__}")
+            object.__setattr__(self, "ablation", checked(self))
 
     def reuses(self, name: str) -> bool:
         """Whether the backward reuses the forward's quantized `name` (one of q, k, v, p)."""
-        if name not in _REUSABLE:
-            raise ValueError(f"AttentionQuant.reuses: {name!r} is not one of {_REUSABLE}")
-        return self.reuse is True or (self.reuse is not False and name in self.reuse)
+        if name not in REUSABLE:
+            raise ValueError(f"AttentionQuant.reuses: {name!r} is not one of {REUSABLE}")
+        partial = self.ablation.reuse if self.ablation is not None else None
+        return self.reuse if partial is None else name in partial
 
     @classmethod
     def off(cls) -> AttentionQuant:
@@ -141,13 +111,6 @@ class AttentionQuant:
                              f"choose from {_FLAGS}")
         return cls(**{name: spec if name in names else None for name in _FLAGS}, reuse=reuse)
 
-    def fresh_spec(self, spec: QuantSpec | None) -> QuantSpec | None:
-        """The spec the backward re-quantizes a tensor it does not reuse with: `spec` (the
-        forward's), with requantize_rounding's rounding where that is set."""
-        if spec is not None and self.requantize_rounding is not None:
-            spec = replace(spec, rounding=self.requantize_rounding)
-        return spec
-
     @property
     def quantizes(self) -> bool:
         return any(getattr(self, name) is not None for name in _FLAGS)
@@ -155,19 +118,9 @@ class AttentionQuant:
     def describe(self) -> str:
         on = [name + _spec_note(getattr(self, name))
               for name in _FLAGS if getattr(self, name) is not None]
-        reuse = self.reuse if isinstance(self.reuse, bool) else ",".join(self.reuse)
-        fresh = "" if self.requantize else "; the others unquantized in the backward"
-        reblock = "; reused values re-blocked" if self.reblock else ""
-        rotate = "; Q, K Hadamard-rotated along head_dim" if self.rotate_qk else ""
-        how = []
-        if self.requantize_along != "reduction":
-            how.append(f"along the {self.requantize_along} dims")
-        if self.requantize_rounding is not None:
-            how.append(f"with {self.requantize_rounding} rounding")
-        how = f"; the others re-quantized {' '.join(how)}" if how else ""
-        delta = "; delta = rowsum(P ∘ dP)" if self.delta == "dp" else ""
-        return (f"quantized: {', '.join(on) or 'nothing'}; reuse={reuse}{reblock}{fresh}{how}"
-                f"{rotate}{delta}")
+        reuse = f"reuse={self.reuse}" if self.ablation is None else \
+            self.ablation.describe(self.reuse)
+        return f"quantized: {', '.join(on) or 'nothing'}; {reuse}"
 
 
 def _spec_note(spec: QuantSpec) -> str:
@@ -180,24 +133,6 @@ def stochastic_seed(spec: QuantSpec | None) -> int | None:
     """A fresh seed (torch's generator) for a stochastic spec, None for any other: drawn once
     per quantization and kept where the backward must redraw the same values."""
     return draw_seed() if spec is not None and spec.rounding == "stochastic" else None
-
-
-def _normalized_reuse(reuse) -> bool | tuple[str, ...]:
-    """True, False, or the reused names in _REUSABLE's order (all: True, none: False)."""
-    if isinstance(reuse, bool):
-        return reuse
-    if not isinstance(reuse, (tuple, list, set, frozenset)) or \
-            not all(isinstance(n, str) for n in reuse):
-        raise TypeError(f"AttentionQuant.reuse must be a bool or a tuple of names from "
-                        f"{_REUSABLE}, got {reuse!r}")
-    unknown = sorted(set(reuse) - set(_REUSABLE))
-    if unknown:
-        raise ValueError(f"AttentionQuant.reuse: unknown name(s) {unknown}; choose from "
-                         f"{_REUSABLE}")
-    names = tuple(n for n in _REUSABLE if n in reuse)
-    if names == _REUSABLE:
-        return True
-    return names or False
 
 
 def _check_nvfp4(name: str, spec: QuantSpec) -> None:

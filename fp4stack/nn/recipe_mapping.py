@@ -6,14 +6,15 @@
       x: {four_over_six: true}              # QuantSpec fields over the preset's spec
       w: {block: [1, 16], four_over_six: true}
       w_dgrad: {block: [1, 16]}
-      attention: {reuse: false, delta: dp}  # AttentionQuant fields over the preset's (or null)
+      attention: {reuse: true, ablation: {reblock: true}}  # AttentionQuant fields (or null)
       keep_last_blocks: 1
 
 A linear operand is a mapping of QuantSpec fields (applied over the preset's spec, or over
 NVFP4 1x16 round-to-nearest when the preset leaves it unquantized), "none" (unquantized) or, for
 w_dgrad and x_wgrad, null (reuse the forward's quantized tensor). lowrank, compensation and
 attention take a mapping of their own fields, or null to drop them; attention's q, k, v, p, ds
-and dp take QuantSpec mappings, "none" or null. Every unknown key is an error naming the field.
+and dp take QuantSpec mappings, "none" or null, and its ablation a mapping of AttentionAblation
+fields (over the preset's) or null. Every unknown key is an error naming the field.
 A recipe file (fp4stack.nn.recipe_files) holds one such mapping, found by its name.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from ..formats.spec import QuantSpec
+from .attention_ablation import AttentionAblation
 from .attention_quant import NVFP4_RNE, AttentionQuant
 from .recipe_types import LINEAR_OPERANDS, LowRank, Recipe, ResidualCompensation
 
@@ -77,6 +79,8 @@ def _part(where: str, cls: type, value: Any, base: Any) -> Any:
             raise _unknown(where, key, known)
         if cls is AttentionQuant and key in _ATTENTION_SPECS:
             v = _spec(f"{where}.{key}", v, getattr(base or cls(), key), nullable=True)
+        elif cls is AttentionQuant and key == "ablation":
+            v = _part(f"{where}.{key}", AttentionAblation, v, getattr(base, key, None))
         changes[key] = v
     try:
         return replace(base, **changes) if base is not None else cls(**changes)

@@ -1,6 +1,6 @@
 """The package's import structure: layers import only downwards, and no module imports itself
 back through others (a cycle). Lazy imports inside functions count too: they are dependencies
-all the same; imports for type annotations only (`if TYPE_CHECKING:`) do not."""
+all the same, and so are imports for annotations only (`if TYPE_CHECKING:`)."""
 
 from __future__ import annotations
 
@@ -38,22 +38,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:` (annotations only, never executed)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for child in node.orelse for n in ast.walk(child))
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
 def _imports(path: Path, modules: set[str]) -> set[str]:
     """The fp4stack modules `path` imports, relative imports resolved."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "fp4stack")
         elif isinstance(node, ast.ImportFrom):
@@ -175,9 +165,3 @@ def test_modules_stay_small():
                        f"{len(doc.splitlines())} lines")
     assert not big, "split these, or move their prose to docs/:\n" + "\n".join(big)
 
-
-def test_type_checking_imports_are_not_dependencies():
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
-                     "else:\n    import b\ndef f():\n    import c\n")
-    names = {a.name for n in _runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert names == {"b", "c"}

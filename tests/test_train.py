@@ -169,8 +169,13 @@ def test_tensorboard_scalars(data, tmp_path, monkeypatch, capsys):
     assert ("train/loss", 1) in scalars and ("val/loss", 4) in scalars
     assert ("train/tokens_per_s", 4) in scalars
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    from fp4stack.train import metrics
+
+    metrics._note_no_tensorboard.cache_clear()  # the note is printed once per process
+    capsys.readouterr()
     train(config(data, tmp_path / "b", max_steps=2, warmup_steps=1, tensorboard=True))
-    assert "tensorboard is not installed" in capsys.readouterr().err
+    train(config(data, tmp_path / "c", max_steps=2, warmup_steps=1, tensorboard=True))
+    assert capsys.readouterr().err.count("tensorboard is not installed") == 1
 
 
 def test_lr_schedule():

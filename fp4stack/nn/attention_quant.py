@@ -10,13 +10,12 @@ fp4stack.kernels.attention (the kernels); what each field does, in docs/attentio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
 
 from ..formats.random import draw_seed
 from ..formats.spec import QuantSpec
-
-if TYPE_CHECKING:  # attention_ablation builds on this module and on the reference
-    from .attention_ablation import AttentionAblation
 
 _FLAGS = ("q", "k", "v", "p", "ds", "dp")
 # The forward tensors the backward can reuse (reuse=True: all, False: none; an
@@ -30,6 +29,24 @@ NVFP4_SR = QuantSpec(rounding="stochastic", nan_policy="propagate")
 # The same in 16x16 tiles over a tensor's last two dims (tokens x head_dim for Q, K, V): one
 # quantization whose blocks run along both, so every GEMM can take it (see docs/attention.md).
 NVFP4_TILES = QuantSpec(block=(16, 16), nan_policy="propagate")
+
+
+@runtime_checkable
+class BackwardAblation(Protocol):
+    """What the product paths ask of a study's switches around tensor reuse (implemented by
+    fp4stack.nn.attention_ablation.AttentionAblation, which builds on this module and on the
+    reference, so this module names only the interface)."""
+
+    reuse: tuple[str, ...] | None  # a partial reuse: the names reused, or None
+    delta: str  # "output" or "dp"
+
+    def checked(self, quant: AttentionQuant) -> BackwardAblation | None: ...
+    def describe(self, reuse: bool) -> str: ...
+    def in_kernels(self, tiled: bool, stochastic: bool) -> bool: ...
+    def rotated(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]: ...
+    def saved_amaxes(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None: ...
+    def reference_operands(self, quant: AttentionQuant, *args: Any, **kw: Any) -> Any: ...
+    def units_operands(self, quant: AttentionQuant, *args: Any, **kw: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,7 @@ class AttentionQuant:
     ds: QuantSpec | None = NVFP4_RNE
     dp: QuantSpec | None = None
     reuse: bool = True
-    ablation: AttentionAblation | None = None
+    ablation: BackwardAblation | None = None
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -72,13 +89,11 @@ class AttentionQuant:
                             f"re-quantize), got {self.reuse!r}; a partial reuse is "
                             "AttentionAblation(reuse=(...)) with reuse=False")
         if self.ablation is not None:
-            # Checked by its own method: attention_ablation imports this module, not back.
-            checked = getattr(self.ablation, "checked", None)
-            if not callable(checked):
+            if not isinstance(self.ablation, BackwardAblation):
                 raise TypeError(f"AttentionQuant.ablation must be an AttentionAblation "
                                 f"(fp4stack.nn.attention_ablation) or None, got "
                                 f"{type(self.ablation).__name__}")
-            object.__setattr__(self, "ablation", checked(self))
+            object.__setattr__(self, "ablation", self.ablation.checked(self))
 
     def reuses(self, name: str) -> bool:
         """Whether the backward reuses the forward's quantized `name` (one of q, k, v, p)."""

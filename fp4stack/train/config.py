@@ -17,7 +17,21 @@ from ..config_fields import check_float, check_int, check_keys, suggest
 from ..models.gpt import GPTConfig
 from ..nn.recipe import recipe as get_recipe
 from ..nn.recipe_files import read_recipe_file
-from .optimizers import check_optimizer
+
+OPTIMIZERS = ("adamw", "muon")
+STATE_FORMATS = ("fp32", "nvfp4")
+# Older config values: an optimizer with NVFP4 states, whatever the recipe says.
+ALIASES = {"adamw4": ("adamw", "nvfp4"), "muon4": ("muon", "nvfp4")}
+
+
+def check_optimizer(value: Any) -> None:
+    """ValueError naming the `optimizer` field and its choices unless `value` is one of them
+    (fp4stack.train.optimizers builds what they name)."""
+    if value not in OPTIMIZERS + tuple(ALIASES):
+        raise ValueError(f"optimizer {value!r} is unknown; choose one of {list(OPTIMIZERS)} (the "
+                         "recipe's optimizer_states picks fp32 or NVFP4 states; 'adamw4' and "
+                         "'muon4' also name adamw and muon with NVFP4 states)")
+
 
 MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
                  "small": GPTConfig.small, "small-moe": GPTConfig.small_moe}

@@ -20,20 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..nn.recipe import recipe as get_recipe
-
-if TYPE_CHECKING:
-    from .config import PretrainConfig
-
-OPTIMIZERS = ("adamw", "muon")
-STATE_FORMATS = ("fp32", "nvfp4")
-# Older config values: an optimizer with NVFP4 states, whatever the recipe says.
-ALIASES = {"adamw4": ("adamw", "nvfp4"), "muon4": ("muon", "nvfp4")}
+from .config import ALIASES, STATE_FORMATS, PretrainConfig, check_optimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -98,14 +91,6 @@ class OptimizerChoice:
     def name(self) -> str:
         """The name runs report (logs, result.json): adamw, adamw4, muon or muon4."""
         return TABLE[(self.optimizer, self.states)][0]
-
-
-def check_optimizer(value: Any) -> None:
-    """ValueError naming the `optimizer` field and its choices unless `value` is one of them."""
-    if value not in OPTIMIZERS + tuple(ALIASES):
-        raise ValueError(f"optimizer {value!r} is unknown; choose one of {list(OPTIMIZERS)} (the "
-                         "recipe's optimizer_states picks fp32 or NVFP4 states; 'adamw4' and "
-                         "'muon4' also name adamw and muon with NVFP4 states)")
 
 
 def resolve_optimizer(optimizer: str, states: str) -> OptimizerChoice:

@@ -133,8 +133,8 @@ def _by_recipe(rows: list[RunRow]) -> dict[str, list[RunRow]]:
 def gap_standard_error(runs: list[RunRow], base: list[RunRow]) -> float | None:
     """Standard error, in % of the BF16 mean, of the gap between the mean final validation
     losses of `runs` and of the BF16 runs `base`: both means are uncertain, and the runs are
-    taken as independent (same-seed BF16 runs need not repeat on a GPU: docs/RESULTS.md). None
-    with fewer than two runs on either side."""
+    taken as independent (same-seed BF16 runs need not repeat on a GPU:
+    docs/results/fullstack-gap.md). None with fewer than two runs on either side."""
     if len(runs) < 2 or len(base) < 2:
         return None
     a, b = [r.val_loss for r in runs], [r.val_loss for r in base]

@@ -1,15 +1,12 @@
 """Bitwise run-to-run reproducibility for a training run (`deterministic: true`).
 
-Two BF16 runs of the `small` preset with the same seed, data and code ended 0.7% apart in
-validation loss on an H200: their training losses already differed in the fifth digit at step
-10. The likely source is SDPA's cuDNN backend, which SDPA picks on Hopper and whose backward has
-no deterministic mode in torch; the FP4 attention kernels' default backward is deterministic (a
-separate dQ pass, no atomics), and an FP4 run repeated to all the digits it was recorded with. A
-deterministic run turns cuDNN attention off, so SDPA falls back to flash attention, whose
-backward torch computes deterministically under `torch.use_deterministic_algorithms(True)`, and
-asks torch for deterministic algorithms everywhere, so that an op without one raises instead of
-varying silently. The cost: flash attention's forward + backward takes about 1.8x cuDNN's at
-seq 2048 on the H200 (docs/PERFORMANCE.md, timed without this mode).
+Same-seed BF16 runs on Hopper need not repeat: SDPA picks its cuDNN backend there, whose backward
+has no deterministic mode in torch (the FP4 attention kernels' default backward is
+deterministic). A deterministic run turns cuDNN attention off, so SDPA falls back to flash
+attention, whose backward torch computes deterministically under
+`torch.use_deterministic_algorithms(True)`, and asks torch for deterministic algorithms
+everywhere, so that an op without one raises instead of varying silently. What this costs, and
+how far apart runs end without it: docs/PERFORMANCE.md and docs/results/fullstack-gap.md.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ COMPARE = Command(
         "DIR/compare.md (final validation loss, gap to BF16 in %%, tokens/s), compare.json and "
         "compare.png (loss curves). Finished runs are reused."
     ),
-    **_lazy(".train.compare"),
+    **_lazy(".train.command", add="add_compare_arguments", run="run_compare"),
 )
 
 RL = Command(

@@ -1,4 +1,5 @@
-"""`fp4stack pretrain`: arguments and run function (registered in fp4stack/cli.py).
+"""`fp4stack pretrain` and `fp4stack compare`: arguments and run functions (registered in
+fp4stack/cli.py).
 
     fp4stack pretrain --config configs/pretrain/tiny.yaml --recipe nvfp4
     torchrun --standalone --nproc_per_node=2 -m fp4stack.cli pretrain --config C.yaml
@@ -75,3 +76,56 @@ def run(args: argparse.Namespace) -> int:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    """`fp4stack compare`'s arguments."""
+    p.add_argument("--config", required=True, help="YAML config shared by every run")
+    p.add_argument("--recipes", default="bf16,nvfp4,nvfp4-nvidia,lowrank",
+                   help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank): "
+                   "preset names or YAML files with a recipe mapping (a preset with fields "
+                   "changed); recipe+optimizer (e.g. bf16+adamw4, bf16+muon4) changes the "
+                   "optimizer")
+    p.add_argument("--seeds", default="0",
+                   help="seeds every recipe runs at, comma-separated (default 0)")
+    p.add_argument("--baseline-seeds", default="",
+                   help="extra BF16 seeds, comma-separated, to show the noise floor (e.g. 1)")
+    p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    p.add_argument("--no-train", action="store_true",
+                   help="train nothing: report on the runs already finished in --out")
+    p.add_argument("--max-steps", type=int, help="override the config's max_steps")
+    p.add_argument("--data", help="override the config's data directory")
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="bitwise-reproducible runs (no cuDNN attention; default: the config's)")
+    add_verbose_argument(p)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """`fp4stack compare`: train what is missing, then print the table."""
+    from pathlib import Path
+
+    from .compare import format_table, run_comparison
+
+    recipes = [r for r in args.recipes.split(",") if r]
+    try:
+        seeds = _seeds(args.seeds, "--seeds")
+        extra = _seeds(args.baseline_seeds, "--baseline-seeds")
+        rows = run_comparison(args.config, recipes, args.out, seeds=seeds,
+                              baseline_seeds=extra, train_missing=not args.no_train,
+                              max_steps=args.max_steps, data=args.data,
+                              device=args.device, deterministic=args.deterministic,
+                              verbose=args.verbose)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fp4stack compare: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    print(f"\nwritten: {Path(args.out) / 'compare.md'}, compare.json, compare.png")
+    return 0
+
+
+def _seeds(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None

@@ -6,7 +6,6 @@ DIR/compare.png (validation and training loss curves against tokens).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -17,7 +16,6 @@ from pathlib import Path
 
 from ..nn.recipe import recipe as get_recipe
 from .checkpoint import latest_checkpoint
-from .command import add_verbose_argument
 from .config import load_config, recipe_arg
 from .metrics import read_metrics
 from .trainer import train
@@ -232,55 +230,3 @@ def plot_curves(rows: list[RunRow], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# ---- the `fp4stack compare` command ----------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config shared by every run")
-    p.add_argument("--recipes", default="bf16,nvfp4,nvfp4-nvidia,lowrank",
-                   help="comma-separated recipes (default bf16,nvfp4,nvfp4-nvidia,lowrank): "
-                   "preset names or YAML files with a recipe mapping (a preset with fields "
-                   "changed); recipe+optimizer (e.g. bf16+adamw4, bf16+muon4) changes the "
-                   "optimizer")
-    p.add_argument("--seeds", default="0",
-                   help="seeds every recipe runs at, comma-separated (default 0)")
-    p.add_argument("--baseline-seeds", default="",
-                   help="extra BF16 seeds, comma-separated, to show the noise floor (e.g. 1)")
-    p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
-    p.add_argument("--no-train", action="store_true",
-                   help="train nothing: report on the runs already finished in --out")
-    p.add_argument("--max-steps", type=int, help="override the config's max_steps")
-    p.add_argument("--data", help="override the config's data directory")
-    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--deterministic", action="store_true", default=None,
-                   help="bitwise-reproducible runs (no cuDNN attention; default: the config's)")
-    add_verbose_argument(p)
-
-
-def run(args: argparse.Namespace) -> int:
-    import sys
-
-    recipes = [r for r in args.recipes.split(",") if r]
-    try:
-        seeds = _seeds(args.seeds, "--seeds")
-        extra = _seeds(args.baseline_seeds, "--baseline-seeds")
-        rows = run_comparison(args.config, recipes, args.out, seeds=seeds,
-                              baseline_seeds=extra, train_missing=not args.no_train,
-                              max_steps=args.max_steps, data=args.data,
-                              device=args.device, deterministic=args.deterministic,
-                              verbose=args.verbose)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"fp4stack compare: error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    print(f"\nwritten: {Path(args.out) / 'compare.md'}, compare.json, compare.png")
-    return 0
-
-
-def _seeds(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None

@@ -54,10 +54,21 @@ def _check_tensor(x, name: str) -> None:
 _DEFAULT_SPEC = QuantSpec()
 
 
+def check_seed(seed: object) -> None:
+    """TypeError unless `seed` is None or an int (not a bool). Any int works: it is folded to
+    two 32-bit keys from its low 64 bits (formats/random.py, `seed_keys`)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int (or None: a draw from torch's generator), got "
+                        f"{seed!r}")
+
+
 def make_spec(spec: QuantSpec | None, **options) -> QuantSpec:
     """`spec` if given (then no other option may be set), else a QuantSpec from `options`."""
     if spec is None:
         return QuantSpec(**options)
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}; build one with "
+                        "fp4stack.QuantSpec(**fields) or pass the options themselves")
     # Compared field by field: building a QuantSpec to compare costs more than the quantizer's
     # own host code, and the layers call this with spec= for every operand.
     for key, value in options.items():
@@ -100,6 +111,7 @@ def quantize(
         name: how error messages refer to `x`.
     """
     _check_tensor(x, name)
+    check_seed(seed)
     spec = make_spec(
         spec, block=block, rounding=rounding, hadamard=hadamard,
         four_over_six=four_over_six, nan_policy=nan_policy,
@@ -159,6 +171,7 @@ def fake_quantize(
     A `spec` of format "fp8" gives the FP8 baseline's values; "none" returns `x` (cast to dtype).
     """
     _check_tensor(x, name)
+    check_seed(seed)
     spec = make_spec(
         spec, block=block, rounding=rounding, hadamard=hadamard,
         four_over_six=four_over_six, nan_policy=nan_policy,

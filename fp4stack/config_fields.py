@@ -42,8 +42,8 @@ def check_float(name: str, value: Any) -> float:
     """`value` as a float; ValueError unless it is a finite number >= 0 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}"
-                         + (" (YAML reads 3e-4 as a string: write 3.0e-4)"
-                            if isinstance(value, str) else ""))
+                         + (" (a string; in YAML write 3.0e-4, which reads as a number, not "
+                            "3e-4)" if isinstance(value, str) else ""))
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return float(value)

@@ -141,6 +141,10 @@ class QuantLinear(PackedState, nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str) -> QuantLinear:
         """A QuantLinear sharing `linear`'s parameters; packed at once for "packed" recipes."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"QuantLinear.from_linear takes an nn.Linear, got "
+                            f"{type(linear).__name__}; quantize_model converts a whole model "
+                            "and leaves other layers as they are")
         q = cls.__new__(cls)
         nn.Module.__init__(q)
         q._setup(linear.weight, linear.bias, get_recipe(recipe))

@@ -69,6 +69,8 @@ class LowRank:
 _NONE = QuantSpec.none()
 # The GEMM operands of a linear layer, in the order fprop, dgrad, wgrad.
 LINEAR_OPERANDS = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
+# The backward operands for which None means "reuse the forward's quantized tensor".
+_REUSING = ("w_dgrad", "x_wgrad")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,13 @@ class Recipe:
     optimizer_states: Literal["fp32", "nvfp4"] = "fp32"  # nvfp4: AdamW4 / Muon4 in training
 
     def __post_init__(self) -> None:
+        for name in LINEAR_OPERANDS:
+            spec = getattr(self, name)
+            if not isinstance(spec, QuantSpec) and not (spec is None and name in _REUSING):
+                allowed = "a QuantSpec or None (reuse the forward's)" if name in _REUSING \
+                    else "a QuantSpec (QuantSpec.none() for unquantized)"
+                raise TypeError(f"Recipe.{name} must be {allowed}, got {spec!r}; e.g. "
+                                f"QuantSpec(block=(16, 16)) or QuantSpec.fp8('block128')")
         if self.weight_storage not in ("master", "packed"):
             raise ValueError(f"Recipe.weight_storage must be 'master' or 'packed', "
                              f"got {self.weight_storage!r}")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..config_fields import check_float
 from .adamw4_fused import (
     fused_steps,
     grad_still_fusable,
@@ -326,15 +327,11 @@ class AdamW4(torch.optim.Optimizer):
 
 
 def _check_group(group: dict[str, Any]) -> None:
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    if isinstance(lr, Tensor):
+    if isinstance(group["lr"], Tensor):
         raise ValueError("AdamW4 takes lr as a float (a tensor lr is not supported)")
-    if not lr >= 0.0:
-        raise ValueError(f"invalid learning rate: {lr}")
-    if not eps >= 0.0:
-        raise ValueError(f"invalid eps: {eps}")
-    if not wd >= 0.0:
-        raise ValueError(f"invalid weight_decay: {wd}")
+    check_float("AdamW4 lr (the learning rate)", group["lr"])
+    for name in ("eps", "weight_decay"):
+        check_float(f"AdamW4 {name}", group[name])
     betas = group["betas"]
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")

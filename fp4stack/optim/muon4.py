@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..api import dequantize, quantize
+from ..config_fields import check_float
 from ..formats.random import lowbias32_int
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
@@ -335,8 +336,9 @@ def _check_muon_group(group: dict[str, Any]) -> None:
             raise ValueError(f"Muon params must be 2-D or 3-D (stacked experts), got shape "
                              f"{tuple(p.shape)}; pass it in adamw_params")
     lr, mu, wd, steps = group["lr"], group["momentum"], group["weight_decay"], group["ns_steps"]
-    if isinstance(lr, Tensor) or not lr >= 0.0:
-        raise ValueError(f"lr must be a float >= 0, got {lr!r}")
+    if isinstance(lr, Tensor):
+        raise ValueError(f"Muon4 takes lr as a float (a tensor lr is not supported), got {lr!r}")
+    check_float("Muon4 lr (the learning rate)", lr)
     if not 0.0 <= mu < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {mu!r}")
     if not wd >= 0.0:

@@ -1,0 +1,62 @@
+"""Bad input to the public API fails at once with an error that names the argument and the fix,
+not deep inside the maths (each case raised an unrelated error before it was checked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fp4stack
+from fp4stack.nn.linear import QuantLinear
+from fp4stack.optim import AdamW4
+from fp4stack.optim.muon4 import Muon4
+
+X = torch.randn(4, 64)
+
+
+@pytest.mark.parametrize("fn", [fp4stack.quantize, fp4stack.fake_quantize])
+@pytest.mark.parametrize("seed", ["abc", 1.5, True])
+def test_a_seed_must_be_an_int(fn, seed):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        fn(X, rounding="stochastic", seed=seed)
+
+
+def test_seeds_of_any_size_work_and_repeat():
+    big = 2**70 + 12345
+    a = fp4stack.fake_quantize(X, rounding="stochastic", seed=big)
+    assert torch.equal(a, fp4stack.fake_quantize(X, rounding="stochastic", seed=big))
+
+
+@pytest.mark.parametrize("fn", [fp4stack.quantize, fp4stack.fake_quantize])
+def test_spec_must_be_a_quantspec(fn):
+    with pytest.raises(TypeError, match="spec must be a QuantSpec, got dict"):
+        fn(X, spec={"block": (1, 16)})
+
+
+def test_from_linear_takes_a_linear():
+    with pytest.raises(TypeError, match="takes an nn.Linear, got Conv1d"):
+        QuantLinear.from_linear(nn.Conv1d(4, 4, 1), "nvfp4")
+
+
+@pytest.mark.parametrize("field", ["x", "w", "dy", "dy_wgrad"])
+def test_recipe_operands_must_be_specs(field):
+    with pytest.raises(TypeError, match=f"Recipe.{field} must be a QuantSpec"):
+        fp4stack.recipe("nvfp4").with_(**{field: "fast"})
+
+
+def test_a_backward_operand_may_be_none_to_reuse_the_forwards():
+    r = fp4stack.recipe("nvfp4").with_(w_dgrad=None, x_wgrad=None)
+    assert r.w_dgrad is None and r.x_wgrad is None
+    with pytest.raises(TypeError, match="Recipe.w must be a QuantSpec"):
+        fp4stack.recipe("nvfp4").with_(w=None)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p, **kw: AdamW4([p], **kw),
+    lambda p, **kw: Muon4([p], **kw),
+])
+@pytest.mark.parametrize("lr", ["0.1", float("nan"), -1.0])
+def test_optimizers_name_a_bad_learning_rate(make, lr):
+    with pytest.raises(ValueError, match=r"lr \(the learning rate\) must be"):
+        make(nn.Parameter(torch.randn(64, 64)), lr=lr)

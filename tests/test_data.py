@@ -258,6 +258,78 @@ def test_errors(tmp_path, texts):
     assert (precious / "thesis.tex").exists() and not (tmp_path / "out").exists()
 
 
+def test_foreign_manifest_is_never_replaced(tmp_path, texts, capsys):
+    # Issue 33: a web app's own manifest.json made `data build --out` delete the app.
+    corpus_dir = make_corpus(tmp_path / "corpus", texts)
+    webapp = tmp_path / "webapp"
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name":"app"}\n')
+    (webapp / "index.js").write_text("code\n")
+    argv = ["data", "build", "--out", str(webapp), "--sources", str(corpus_dir),
+            "--vocab-size", "300", "--min-val-tokens", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{webapp} is not an fp4stack data directory" in err and "index.js" in err
+    assert "not overwriting" in err
+    assert sorted(p.name for p in webapp.iterdir()) == ["index.js", "manifest.json"]
+    assert (webapp / "index.js").read_text() == "code\n"
+    assert (webapp / "manifest.json").read_text() == '{"name":"app"}\n'
+    # The foreign manifest alone is in the way too: its "format" is named.
+    (webapp / "index.js").unlink()
+    with pytest.raises(FileExistsError, match=r"\"format\" None, not 'fp4stack-token-shards'"):
+        build(corpus_dir, webapp)
+    (webapp / "manifest.json").write_text("not json")
+    with pytest.raises(FileExistsError, match="not readable JSON"):
+        build(corpus_dir, webapp)
+    assert [p.name for p in webapp.iterdir()] == ["manifest.json"]
+    assert not list(tmp_path.glob(".webapp.*"))
+
+
+def test_build_with_other_files_is_never_replaced(tmp_path, texts):
+    corpus_dir = make_corpus(tmp_path / "corpus", texts)
+    out = build(corpus_dir, tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+    (out / "runs").mkdir()
+    for kw in ({"vocab_size": VOCAB + 1}, {"force": True}):
+        with pytest.raises(FileExistsError, match=r"it holds notes.txt, runs, which fp4stack"):
+            build(corpus_dir, out, **kw)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "notes.txt", "runs"])
+    # Unchanged, it is still up to date (nothing is written, so nothing is in the way).
+    assert build(corpus_dir, out) == out and (out / "notes.txt").read_text() == "mine"
+
+
+def test_file_added_during_a_rebuild_survives(tmp_path, texts, monkeypatch):
+    corpus_dir = make_corpus(tmp_path / "corpus", texts)
+    out = build(corpus_dir, tmp_path / "out")
+    real = build_module.train_tokenizer
+
+    def add_a_file(*args, **kwargs):
+        (out / "late.txt").write_text("written while the build ran")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "train_tokenizer", add_a_file)
+    with pytest.raises(FileExistsError, match="late.txt"):
+        build(corpus_dir, out, vocab_size=VOCAB + 1)
+    assert (out / "late.txt").exists()
+    assert json.loads((out / "manifest.json").read_text())["build"]["vocab_size"] == VOCAB
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_replacing_a_build_says_what_it_replaces(tmp_path, texts, capsys):
+    corpus_dir = make_corpus(tmp_path / "corpus", texts)
+    out = build(corpus_dir, tmp_path / "out")
+    build(corpus_dir, out, vocab_size=VOCAB + 1, seed=3, verbose=True)
+    assert (f"replacing the fp4stack build in {out}: other parameters: vocab_size {VOCAB} -> "
+            f"{VOCAB + 1}, seed 0 -> 3") in capsys.readouterr().err
+    (corpus_dir / "txt" / "0000.txt").write_text("A changed first document of the corpus.\n")
+    build(corpus_dir, out, vocab_size=VOCAB + 1, seed=3, verbose=True)
+    assert "its input files have changed" in capsys.readouterr().err
+    build(corpus_dir, out, vocab_size=VOCAB + 1, seed=3, force=True, verbose=True)
+    assert f"replacing the fp4stack build in {out}: --force was given" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+    assert not list(tmp_path.glob(".out.*"))
+
+
 # ------------------------------------------------------------------------- named sources
 
 

@@ -7,7 +7,9 @@
 The output is a pure function of the build parameters and the input files: the same parameters
 and the same sha256 give byte-identical files. The directory is built under a temporary name and
 renamed into place at the end, so a reader never sees half a build. A build whose manifest
-already records the same parameters and input hashes is returned as it is.
+already records the same parameters and input hashes is returned as it is. An existing `out` is
+replaced only when it holds an fp4stack build and nothing else: nothing fp4stack did not write is
+ever deleted.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ PIPELINE_VERSION = 1
 # into characters with a generous characters-per-token bound (English BPE is about 3.5-4.5).
 CHARS_PER_TOKEN_BOUND = 5
 DEFAULT_MIN_VAL_TOKENS = 16_384
+FORMAT = "fp4stack-token-shards"
+# Everything a build writes into its directory: the only names a rebuild may delete.
+OUTPUT_FILES = ("train.bin", "val.bin", "tokenizer.json", "manifest.json")
 
 
 def default_cache_dir() -> Path:
@@ -69,7 +74,7 @@ def build_dataset(
     if isinstance(sources, str):
         sources = [sources]
     _check_arguments(sources, vocab_size, val_fraction, max_chars, min_val_tokens)
-    _check_out_dir(out)
+    _check_out_dir(out, only_build_files=False)  # before any download: a foreign `out` fails fast
     resolved = [corpus.resolve(s) for s in sources]
     names = [s.name for s in resolved]
     if len(set(names)) != len(names):
@@ -90,9 +95,13 @@ def build_dataset(
     for src in resolved:
         files = src.fetch(cache)
         inputs.append((src, files, [_file_record(src, f) for f in files]))
-    if not force and _is_current(out, params, [(s.name, rec) for s, _, rec in inputs]):
+    records = [(s.name, rec) for s, _, rec in inputs]
+    if not force and _is_current(out, params, records):
         log(f"{out} is up to date ({time.perf_counter() - start:.2f} s); --force rebuilds it")
         return out
+    _check_out_dir(out)  # an up-to-date build may hold other files; a replaced one may not
+    if out.is_dir() and any(out.iterdir()):
+        log(f"replacing the fp4stack build in {out}: {_difference(out, params, records, force)}")
 
     # 2. Documents, tagged with their source's index, in a seeded order.
     docs: list[tuple[int, corpus.Document]] = []
@@ -179,14 +188,60 @@ def _check_arguments(sources: Sequence[str], vocab_size: int, val_fraction: floa
         raise ValueError(f"min_val_tokens must be >= 0, got {min_val_tokens}")
 
 
-def _check_out_dir(out: Path) -> None:
-    # A rebuild replaces `out` wholesale, so it must be a data directory (or empty): never
-    # delete a folder of someone's files because it was given as --out by mistake.
+def _check_out_dir(out: Path, only_build_files: bool = True) -> None:
+    """Raise unless `out` is missing, empty, or an fp4stack build (with nothing else in it, if
+    `only_build_files`)."""
+    # A rebuild replaces `out` wholesale, so a folder given as --out by mistake (a web app with
+    # its own manifest.json, say) must be refused, never emptied.
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").exists():
-        raise FileExistsError(f"{out} is a non-empty directory without a manifest.json: not "
-                              "overwriting it; choose another --out")
+        raise FileExistsError(f"{out} exists and is not a directory; choose another --out")
+    if not out.is_dir():
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
+    problem = _manifest_problem(out / "manifest.json")
+    foreign = [n for n in names if n not in OUTPUT_FILES]
+    reasons = [problem] if problem else []
+    if foreign and (problem or only_build_files):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                          else "")
+        reasons.append(f"it holds {shown}, which fp4stack data build does not write")
+    if reasons:
+        raise FileExistsError(f"{out} is not an fp4stack data directory ({'; '.join(reasons)}):"
+                              " not overwriting it; choose another --out, or move its files away")
+
+
+def _manifest_problem(path: Path) -> str | None:
+    """Why `path` is not an fp4stack token-shards manifest, or None when it is one."""
+    if path.is_symlink() or not path.is_file():
+        return "its manifest.json is missing or not a plain file"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"its manifest.json is not readable JSON: {e}"
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT:
+        return f'its manifest.json has "format" {found!r}, not {FORMAT!r}'
+    return None
+
+
+def _difference(out: Path, params: dict, inputs: list[tuple[str, list[dict]]],
+                force: bool) -> str:
+    """What the build in `out` (checked by `_check_out_dir`) has that this one will not."""
+    if force:
+        return "--force was given"
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+        old = manifest["build"]
+        changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in params.items() if old.get(k) != v]
+        if changed:
+            return "other parameters: " + ", ".join(changed)
+        if [(s["name"], s["files"]) for s in manifest["sources"]] != inputs:
+            return "its input files have changed"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "its manifest.json is incomplete"
+    return "it is incomplete or damaged"
 
 
 def _file_record(src: corpus.Source, path: Path) -> dict:
@@ -257,7 +312,7 @@ def _manifest(params: dict, sources: list[dict], vocab_size: int, splits: dict) 
         tokenizers_version = None
     # No timestamps or output paths: the same build gives a byte-identical manifest.
     return {
-        "format": "fp4stack-token-shards",
+        "format": FORMAT,
         "fp4stack_version": __version__,
         "tokenizers_version": tokenizers_version,
         "build": params,
@@ -275,12 +330,26 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     # Directories cannot be swapped atomically: the old one is moved aside first, so `out` is
     # missing for an instant but never half-written.
     if not out.exists():
-        tmp.rename(out)
+        tmp.rename(out)  # fails, deleting nothing, if a non-empty `out` appeared meanwhile
         return
+    _check_out_dir(out)  # again: files may have been put there while the build ran
     trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-    out.rename(trash / "data")
+    old = trash / "data"
+    out.rename(old)
     tmp.rename(out)
-    shutil.rmtree(trash, ignore_errors=True)
+    if old.is_symlink():  # `out` was a link: drop the link, keep what it pointed to
+        old.unlink()
+    else:
+        # Only the files a build writes are deleted, by name, so a file that arrived after
+        # the check above survives (and rmdir says where).
+        for name in OUTPUT_FILES:
+            (old / name).unlink(missing_ok=True)
+        try:
+            old.rmdir()
+        except OSError as e:
+            raise FileExistsError(f"{out} was rebuilt, but files added to it during the build "
+                                  f"were kept in {old}: move them back") from e
+    trash.rmdir()
 
 
 # ------------------------------------------------------------------------------- progress

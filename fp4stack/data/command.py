@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--sources", nargs="+", default=["wikipedia"], metavar="SRC",
                    help="wikipedia (default), linux-docs, python-docs, or .txt/.jsonl files or "
                    "directories; several separated by spaces or commas")
-    b.add_argument("--out", required=True, help="the data directory to write")
+    b.add_argument("--out", required=True,
+                   help="the data directory to write; an existing one is replaced only if it "
+                   "holds an fp4stack build and nothing else")
     b.add_argument("--vocab-size", type=positive_int, default=8192,
                    help="BPE vocabulary size (default 8192)")
     b.add_argument("--val-fraction", type=float, default=0.01,

@@ -132,7 +132,8 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 def _fake_quantize_values(x, spec, amax, seed, name, dtype):
     if spec.format == "fp8":
-        return fake_quantize_fp8(x, spec.fp8_granularity).to(dtype or x.dtype)
+        return fake_quantize_fp8(x, spec.fp8_granularity, nan_policy=spec.nan_policy,
+                                 name=name).to(dtype or x.dtype)
     return _impl(x.device).fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype)
 
 

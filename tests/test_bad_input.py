@@ -60,3 +60,26 @@ def test_a_backward_operand_may_be_none_to_reuse_the_forwards():
 def test_optimizers_name_a_bad_learning_rate(make, lr):
     with pytest.raises(ValueError, match=r"lr \(the learning rate\) must be"):
         make(nn.Parameter(torch.randn(64, 64)), lr=lr)
+
+
+@pytest.mark.parametrize("fn", [fp4stack.quantize_fp8, fp4stack.fake_quantize_fp8])
+def test_fp8_takes_floats_only_as_nvfp4_does(fn):
+    with pytest.raises(TypeError, match="FP8 quantizes float32, bfloat16 or float16, got"):
+        fn(torch.arange(64).reshape(2, 32))
+
+
+@pytest.mark.parametrize("fn", [fp4stack.quantize_fp8, fp4stack.fake_quantize_fp8])
+def test_fp8_refuses_nan_as_nvfp4_does_unless_propagated(fn):
+    x = X.clone()
+    x[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="1 of 256 values are NaN or Inf"):
+        fp4stack.quantize(x)
+    with pytest.raises(ValueError, match="1 of 256 values are NaN or Inf"):
+        fn(x)
+    fn(x, nan_policy="propagate")  # no check, as NVFP4's nan_policy="propagate"
+
+
+def test_the_fp8_recipes_propagate_nan_on_the_hot_path_as_the_nvfp4_ones_do():
+    for name in ("fp8", "w8a8", "nvfp4"):
+        r = fp4stack.recipe(name)
+        assert {r.x.nan_policy, r.w.nan_policy} == {"propagate"}, name

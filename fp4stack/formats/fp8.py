@@ -15,6 +15,7 @@ E4M3_MAX = 448.0
 Granularity = Literal["tensor", "row", "block128"]
 _GRANULARITIES = ("tensor", "row", "block128")
 FP8_BLOCK = 128
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,28 @@ def _expand(scale: torch.Tensor, granularity: str) -> torch.Tensor:
     return scale
 
 
-def quantize_fp8(x: torch.Tensor, granularity: Granularity = "tensor") -> FP8Tensor:
-    """Quantize `x` to FP8 E4M3 with float32 decode scales of the given granularity."""
+def _check(x: torch.Tensor, nan_policy: str, name: str) -> None:
+    # The NVFP4 quantizer's rules: float input only, and NaN or Inf raises unless propagated.
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: FP8 quantizes float32, bfloat16 or float16, got {x.dtype}")
+    if nan_policy not in ("raise", "propagate"):
+        raise ValueError(f"nan_policy must be 'raise' or 'propagate', got {nan_policy!r}")
+    if nan_policy == "raise":
+        bad = int((~torch.isfinite(x)).sum().item())
+        if bad:
+            raise ValueError(
+                f"{name}: {bad} of {x.numel()} values are NaN or Inf; the FP8 baseline refuses "
+                "them as NVFP4 does. Fix the producer of this tensor, or pass "
+                "nan_policy='propagate' to quantize anyway")
+
+
+def quantize_fp8(x: torch.Tensor, granularity: Granularity = "tensor", *,
+                 nan_policy: str = "raise", name: str = "input") -> FP8Tensor:
+    """Quantize `x` to FP8 E4M3 with float32 decode scales of the given granularity.
+    nan_policy: "raise" (ValueError on NaN/Inf, a host sync) or "propagate" (no check)."""
+    _check(x, nan_policy, name)
     if granularity not in _GRANULARITIES:
         raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
     if x.dim() < 1:
@@ -67,5 +88,7 @@ def dequantize_fp8(t: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return x[..., : t.shape[-1]].to(dtype)
 
 
-def fake_quantize_fp8(x: torch.Tensor, granularity: Granularity = "tensor") -> torch.Tensor:
-    return dequantize_fp8(quantize_fp8(x, granularity), x.dtype)
+def fake_quantize_fp8(x: torch.Tensor, granularity: Granularity = "tensor", *,
+                      nan_policy: str = "raise", name: str = "input") -> torch.Tensor:
+    """`dequantize_fp8(quantize_fp8(x, ...), x.dtype)`."""
+    return dequantize_fp8(quantize_fp8(x, granularity, nan_policy=nan_policy, name=name), x.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def _nvfp4(**kw) -> QuantSpec:
 
 def _presets() -> dict[str, Recipe]:
     rne = _nvfp4()
-    fp8 = QuantSpec.fp8("block128")
+    fp8 = replace(QuantSpec.fp8("block128"), nan_policy="propagate")  # hot path: no host sync
     nvfp4 = Recipe("nvfp4", x=rne, w=rne, dy=rne, w_dgrad=rne, x_wgrad=rne, dy_wgrad=rne)
     w4a4 = Recipe("w4a4", x=rne, w=rne, weight_storage="packed")
     # Full-Stack FP4: lowrank linears, NVFP4 optimizer states, FP4 attention with reuse.

@@ -83,3 +83,12 @@ def test_the_fp8_recipes_propagate_nan_on_the_hot_path_as_the_nvfp4_ones_do():
     for name in ("fp8", "w8a8", "nvfp4"):
         r = fp4stack.recipe(name)
         assert {r.x.nan_policy, r.w.nan_policy} == {"propagate"}, name
+
+
+@pytest.mark.parametrize("spec", ["arithmetic", "arithmetic:add"])
+def test_a_misspelt_task_option_is_named(spec):
+    from fp4stack.data.tasks import load_task
+
+    with pytest.raises(ValueError, match=r"unknown task option 'levle' \(did you mean 'level'"):
+        load_task(spec, levle=2)
+    assert load_task(spec, level=2, n_test=5).test_set()

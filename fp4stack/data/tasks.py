@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import random
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from ..config_fields import suggest
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,19 @@ def _check_task(obj: object, spec: str) -> Task:
     return obj  # type: ignore[return-value]
 
 
+def _check_options(build: Callable[..., Any], options: dict[str, Any], spec: str,
+                   positional: tuple[str, ...] = ()) -> None:
+    """ValueError naming an option `build` does not take (and the closest one it does)."""
+    params = inspect.signature(build).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # it takes any option: its own code checks them
+    known = [n for n in params if n not in ("self", *positional)]
+    for key in options:
+        if key not in known:
+            raise ValueError(f"task {spec!r}: unknown task option {key!r}{suggest(key, known)}; "
+                             f"its options: {known}")
+
+
 def load_task(spec: str, **options: Any) -> Task:
     """The task named by `spec` (see the module docstring), built with `options`.
 
@@ -276,11 +292,13 @@ def load_task(spec: str, **options: Any) -> Task:
     passes every option to the callable.
     """
     if spec == "arithmetic":
+        _check_options(ArithmeticTask, options, spec)
         return ArithmeticTask(**options)
     if spec.startswith("arithmetic:"):
         op = spec.split(":", 1)[1]
         if op not in ARITHMETIC_OPS:
             raise ValueError(f"unknown arithmetic op {op!r} in {spec!r}; ops: {ARITHMETIC_OPS}")
+        _check_options(ArithmeticTask, options, spec, positional=("ops",))
         return ArithmeticTask(op, **options)
     if spec in ("countdown", "gsm_symbolic"):
         return ReasoningGymTask(spec, **options)

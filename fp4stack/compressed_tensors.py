@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from .api import dequantize, quantize
+from .files import publish, temp_path
 from .formats.nvfp4 import global_encode_scale
 from .formats.spec import QuantSpec
 from .formats.tensor import NVFP4Tensor
@@ -201,16 +201,16 @@ def _fsync(path: Path) -> None:
 
 def _write_all(directory: Path, writers: dict[str, Callable[[Path], None]]) -> None:
     """Write every file to a temporary name first and rename them only when all are complete, so
-    a failure never leaves a partial file under a real name."""
+    a failure never leaves a partial file under a real name (a kill leaves hidden temporary files
+    that the next save into the directory removes)."""
     tmps: dict[str, Path] = {}
     try:
         for name, write in writers.items():
-            # Not mkstemp: its 0600 mode would keep an inference server's user out.
-            tmps[name] = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+            tmps[name] = temp_path(directory / name)
             write(tmps[name])
             _fsync(tmps[name])
         for name, tmp in tmps.items():  # config.json last: it marks the checkpoint as quantized
-            os.replace(tmp, directory / name)
+            publish(tmp, directory / name)
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -377,6 +379,45 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(TypeError):  # config.json fails: no weights file appears either
         save_quantized(model, tmp_path / "cfg", config={"bad": object()})
     assert not (tmp_path / "cfg").exists()
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_saved_files_follow_the_umask(tmp_path, mask, mode):
+    old = os.umask(mask)
+    try:
+        path = save_quantized(tiny_w4a4(), tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()} == {
+        "config.json": mode, "model.safetensors": mode}
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys
+import safetensors.torch
+sys.path.insert(0, os.path.dirname(sys.argv[2]))
+from test_checkpoint import tiny_w4a4
+from fp4stack.compressed_tensors import save_quantized
+
+def dies(tensors, path, metadata=None):
+    with open(path, "wb") as f:
+        f.write(b"half a checkpoint")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+safetensors.torch.save_file = dies
+save_quantized(tiny_w4a4(), sys.argv[1])
+"""
+
+
+def test_a_save_killed_midway_leaves_temporary_files_the_next_save_removes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(ckpt), __file__],
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    assert all(p.name.startswith(".") for p in ckpt.iterdir()) and any(ckpt.iterdir())
+    save_quantized(tiny_w4a4(), ckpt)
+    assert sorted(os.listdir(ckpt)) == ["config.json", "model.safetensors"]
 
 
 # ---- (e) errors ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ LAYERS: dict[str, int] = {
     "formats": 0,
     "device": 0,
     "config_fields": 0,
+    "files": 0,
     "kernels": 1,
     "api": 2,
     "nn": 3,

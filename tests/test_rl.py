@@ -15,7 +15,7 @@ from fp4stack.rl.compare import run_rl_comparison
 from fp4stack.rl.config import RLConfig, load_rl_config
 from fp4stack.rl.rollout import RolloutEngine, sample_next
 from fp4stack.rl.sync import WeightSyncError, checksum, export_weights, load_weights
-from fp4stack.rl.trainer import run_rl
+from fp4stack.rl.trainer import SFT_FILE, prepare_policy, run_rl
 from fp4stack.train.metrics import read_metrics
 
 TOK = CharTokenizer()
@@ -200,10 +200,32 @@ def test_grpo_raises_reward_on_an_easy_task(tmp_path, monkeypatch):
 
 def test_rl_compare_table_from_one_start(tmp_path):
     cfg = tiny_config(tmp_path, steps=2, eval_every=0)
-    rows = run_rl_comparison(cfg, ["bf16", "quads"], tmp_path / "cmp", log=lambda *a: None)
+    said = []
+    rows = run_rl_comparison(cfg, ["bf16", "quads"], tmp_path / "cmp", log=said.append)
     assert [r["run"] for r in rows] == ["bf16", "quads"] and rows[0]["k3_max"] == 0.0
-    assert (tmp_path / "cmp" / "sft" / "sft_policy.pt").exists()
+    cached = tmp_path / "cmp" / "sft" / SFT_FILE
+    assert [s for s in said if s.startswith("policy:")] == [
+        f"policy: loaded the SFT warm-up from {cached}"]  # the second run reuses the first's
     assert "| quads | quads | qat-w |" in (tmp_path / "cmp" / "rl_compare.md").read_text()
+
+
+def test_the_sft_warm_up_is_reused_only_for_the_inputs_that_made_it(tmp_path):
+    def start(cfg, cache_dir):
+        said = []
+        model, _ = prepare_policy(cfg, load_task(cfg.task, **cfg.task_options),
+                                  torch.device("cpu"), cache_dir, said.append)
+        return model.state_dict(), [s for s in said if s.startswith("policy:")]
+
+    cfg = tiny_config(tmp_path, sft_steps=2)
+    first, _ = start(cfg, tmp_path)
+    again, said = start(cfg, tmp_path)  # what rl-compare's runs do: one config, one warm-up
+    assert said == [f"policy: loaded the SFT warm-up from {tmp_path / SFT_FILE}"]
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    for other in (cfg.with_overrides(seed=1), cfg.with_overrides(task="arithmetic:mul")):
+        fresh, _ = start(other, None)
+        got, said = start(other, tmp_path)
+        assert len(said) == 1 and "does not match this run's SFT inputs" in said[0], said
+        assert all(torch.equal(fresh[k], got[k]) for k in fresh)
 
 
 @pytest.mark.parametrize("bad,match", [({"rollout": "fp4"}, "rollout"),

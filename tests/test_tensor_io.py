@@ -1,6 +1,7 @@
 """NVFP4Tensor: construction checks, device moves, and the safetensors round trip (atomic)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -98,6 +99,25 @@ def test_failed_save_leaves_nothing_when_no_file_existed(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         fp4stack.quantize(randn(4, 16)).save(tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_saved_file_follows_the_umask(tmp_path, mask, mode):
+    old = os.umask(mask)
+    try:
+        fp4stack.quantize(randn(4, 16)).save(tmp_path / "w.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == mode
+
+
+def test_the_next_save_removes_a_killed_saves_temporary_file(tmp_path):
+    stale = tmp_path / ".w.safetensors.4242.0123abcd.tmp"  # what a kill -9 mid-save leaves
+    stale.write_bytes(b"\x00half a tensor")
+    other = tmp_path / ".v.safetensors.4242.0123abcd.tmp"  # another file's: not this save's
+    other.write_bytes(b"")
+    fp4stack.quantize(randn(4, 16)).save(tmp_path / "w.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "w.safetensors"]
 
 
 def test_loading_a_foreign_safetensors_file_is_a_clear_error(tmp_path):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..files import publish, temp_path
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -25,13 +26,13 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int) ->
     """Write token ids to `path` atomically, as the smallest unsigned dtype that holds them."""
     path = Path(path)
     arr = np.asarray(tokens, dtype=token_dtype(vocab_size))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temp_path(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(arr.tobytes())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

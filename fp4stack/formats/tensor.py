@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..files import publish, temp_path
 from .spec import QuantSpec
 
 BLOCK = 16
-
-
 def padded_k(k: int) -> int:
     """Last dim rounded up to a whole number of 16-element blocks."""
     return -(-k // BLOCK) * BLOCK
@@ -98,18 +96,18 @@ class NVFP4Tensor:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write to a safetensors file atomically (a crash never leaves a half-written file)."""
+        """Write to a safetensors file atomically (a crash never leaves a half-written file; its
+        temporary file is removed by the next save), with the umask's mode."""
         from safetensors.torch import save_file
 
         path = Path(path)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
+        tmp = temp_path(path)
         try:
-            save_file(tensors, tmp, metadata=self.metadata())
-            os.replace(tmp, path)
+            save_file(tensors, str(tmp), metadata=self.metadata())
+            publish(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     @classmethod

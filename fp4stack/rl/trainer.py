@@ -35,25 +35,53 @@ from .rollout import Rollout, RolloutEngine
 SFT_FILE = "sft_policy.pt"
 
 
+def sft_inputs(cfg: RLConfig, vocab_size: int | None) -> dict[str, Any]:
+    """Everything that determines the SFT warm-up's weights: its cache is reused only when these
+    match (a comparison's runs differ in rollout and trainer only, so they share it)."""
+    keys = ("policy", "upcycle", "task", "task_options", "seed", "sft_steps", "sft_lr",
+            "sft_batch_size", "max_new_tokens")
+    inputs = {k: getattr(cfg, k) for k in keys} | {"vocab_size": vocab_size}
+    return json.loads(json.dumps(inputs, sort_keys=True, default=str))  # as stored: plain JSON
+
+
+def _load_sft(cached: Path, inputs: dict[str, Any], device: torch.device
+              ) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """The cached warm-up's weights when it was made from `inputs`, else (None, why not)."""
+    stored = torch.load(cached, map_location=device, weights_only=True)
+    if not (isinstance(stored, dict) and isinstance(stored.get("inputs"), str)):
+        return None, "it records no inputs"
+    made = json.loads(stored["inputs"])
+    diff = [f"{k}: {made.get(k)!r} -> {inputs.get(k)!r}"
+            for k in sorted(set(made) | set(inputs)) if made.get(k) != inputs.get(k)]
+    return (None, "; ".join(diff)) if diff else (stored["state_dict"], "")
+
+
 def prepare_policy(cfg: RLConfig, task: Task, device: torch.device, cache_dir: Path | None,
                    log=print) -> tuple[nn.Module, lm.TokenizerLike]:
-    """The starting policy: built, upcycled, SFT-warmed (cached in cache_dir/sft_policy.pt so
-    every run of a comparison starts from the same weights)."""
+    """The starting policy: built, upcycled, SFT-warmed (cached in cache_dir/sft_policy.pt with
+    the inputs that made it, so every run of a comparison starts from the same weights and a run
+    with other inputs redoes the warm-up)."""
     max_len = 64 + cfg.max_new_tokens
     model, tokenizer = build_policy(cfg.policy, cfg.upcycle, cfg.seed, max_len)
     model.to(device)
+    if not cfg.sft_steps:
+        return model.eval(), tokenizer
+    inputs = sft_inputs(cfg, getattr(tokenizer, "vocab_size", None))
     cached = cache_dir / SFT_FILE if cache_dir is not None else None
     if cached is not None and cached.exists():
-        model.load_state_dict(torch.load(cached, map_location=device, weights_only=True))
-        log(f"policy: loaded the SFT warm-up from {cached}")
-    elif cfg.sft_steps:
-        sft_warmup(model, tokenizer, task, steps=cfg.sft_steps, batch_size=cfg.sft_batch_size,
-                   lr=cfg.sft_lr, seed=cfg.seed, device=device, log=log)
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(".tmp")
-            torch.save(model.state_dict(), tmp)
-            os.replace(tmp, cached)
+        weights, why = _load_sft(cached, inputs, device)
+        if weights is not None:
+            model.load_state_dict(weights)
+            log(f"policy: loaded the SFT warm-up from {cached}")
+            return model.eval(), tokenizer
+        log(f"policy: {cached} does not match this run's SFT inputs ({why}); redoing the warm-up")
+    sft_warmup(model, tokenizer, task, steps=cfg.sft_steps, batch_size=cfg.sft_batch_size,
+               lr=cfg.sft_lr, seed=cfg.seed, device=device, log=log)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.tmp")  # fixed: a killed save's is overwritten
+        torch.save({"inputs": json.dumps(inputs), "state_dict": model.state_dict()}, tmp)
+        os.replace(tmp, cached)
     return model.eval(), tokenizer
 
 

@@ -8,7 +8,8 @@ DIR/checkpoints/step_00000100/ holds
   rng_rank{r}.pt      each rank's torch RNG states (CPU generator: stochastic-rounding seeds)
   state.json          step, token count, NaN-skip counters, config
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
-mid-save leaves the previous checkpoint intact and never a half-written one under a step_ name;
+mid-save leaves the previous checkpoint intact and never a half-written one under a step_ name
+(the next save deletes that temporary directory); files get the umask's mode like any other;
 only the last `keep` are kept. State dicts go through torch.distributed.checkpoint's full-state
 helpers, so the same files serve single-process, DDP and FSDP2 runs (and a change of world size).
 """
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..files import new_file_mode
 from .distributed import DistEnv, barrier, unwrap
 
 CHECKPOINTS = "checkpoints"
@@ -112,6 +114,7 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: torch
     if env.is_main:
         meta = {"step": str(step), "recipe": str(state.get("recipe", ""))}
         save_file(_unshared(model_sd), str(tmp / "model.safetensors"), metadata=meta)
+        os.chmod(tmp / "model.safetensors", new_file_mode())  # safetensors writes it 0600
         torch.save(optim_sd, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
     barrier(env)

@@ -35,22 +35,23 @@ import torch
 from torch import nn
 
 from .api import dequantize, quantize
+from .compressed_tensors_read import (
+    META_KEY,
+    PACKED_SUFFIXES,
+    WEIGHTS_NAME,
+    join,
+    layer_tensor,
+    read_checkpoint,
+    weight_spec,
+)
 from .files import publish, temp_path
 from .formats.nvfp4 import global_encode_scale
-from .formats.spec import QuantSpec
 from .formats.tensor import NVFP4Tensor
 from .nn.fused import FUSED_GROUPS
 from .nn.linear import QuantLinear
 
-WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 FORMAT = "nvfp4-pack-quantized"
-_META_KEY = "fp4stack.nvfp4"
-_PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _nvfp4_args(dynamic: bool | str) -> dict[str, Any]:
@@ -60,12 +61,8 @@ def _nvfp4_args(dynamic: bool | str) -> dict[str, Any]:
             "strategy": "tensor_group", "dynamic": dynamic}
 
 
-def _weight_spec(layer: QuantLinear) -> QuantSpec:
-    return layer.packed_spec or layer.recipe.w
-
-
 def _is_nvfp4(layer: QuantLinear) -> bool:
-    return _weight_spec(layer).format == "nvfp4"
+    return weight_spec(layer).format == "nvfp4"
 
 
 def _weight_tensor(name: str, layer: QuantLinear) -> NVFP4Tensor:
@@ -79,7 +76,7 @@ def _weight_tensor(name: str, layer: QuantLinear) -> NVFP4Tensor:
 
 
 def _check_exportable(name: str, layer: QuantLinear, weight_only: bool) -> None:
-    if _weight_spec(layer).format == "fp8":
+    if weight_spec(layer).format == "fp8":
         raise ValueError(f"layer {name!r}: FP8 weights (recipe {layer.recipe.name!r}) are not "
                          "NVFP4; the nvfp4-pack-quantized format holds NVFP4 weights only")
     if layer.in_features % 16:
@@ -103,7 +100,7 @@ def _collect(model: nn.Module, weight_only: bool):
         if callable(getattr(module, "quant_expert_linear", None)):
             raise NotImplementedError(f"module {name!r}: export of quantized MoE experts is not "
                                       "supported yet")
-        if isinstance(module, QuantLinear) and _weight_spec(module).format != "none":
+        if isinstance(module, QuantLinear) and weight_spec(module).format != "none":
             _check_exportable(name, module, weight_only)
             w4a4 = module.recipe.x.format == "nvfp4" and not weight_only
             if w4a4 and module.x_amax is None:
@@ -135,7 +132,7 @@ def _unquantized_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             keep = ("bias",) if _is_nvfp4(module) else ("bias", "weight")
             for k in module.state_dict():
                 if k not in keep:
-                    sd.pop(_join(name, k), None)
+                    sd.pop(join(name, k), None)
     # Tied weights (e.g. lm_head = embed_tokens) are saved once, under the first name, as
     # transformers' save_pretrained does; safetensors refuses shared storage anyway.
     seen: set[tuple] = set()
@@ -185,7 +182,7 @@ def _warn_unfused(scales: dict[str, torch.Tensor], kind: str) -> None:
     for group in FUSED_GROUPS:
         parents = {n.rpartition(".")[0] for n in scales if n.rpartition(".")[2] == group[0]}
         for parent in parents:
-            names = [_join(parent, g) for g in group]
+            names = [join(parent, g) for g in group]
             vals = [scales.get(n) for n in names]
             if all(v is not None for v in vals) and len({v.item() for v in vals}) > 1:
                 warnings.warn(f"{names} have different {kind} global scales; vLLM fuses them into "
@@ -245,15 +242,15 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
         for name, layer, x_amax in quant:
             t = _weight_tensor(name, layer).to("cpu")
             gs = global_encode_scale(t.amax, t.spec.scale_max).reshape(1)
-            tensors[_join(name, "weight_packed")] = t.data
-            tensors[_join(name, "weight_scale")] = t.scales
-            tensors[_join(name, "weight_global_scale")] = w_scales[name] = gs
+            tensors[join(name, "weight_packed")] = t.data
+            tensors[join(name, "weight_scale")] = t.scales
+            tensors[join(name, "weight_global_scale")] = w_scales[name] = gs
             meta[name] = {"amax": t.amax.item().hex(), "spec": t.spec.to_dict()}
             if x_amax is not None:
                 x_amax = x_amax.detach().float().cpu().reshape(())
                 # vLLM quantizes activations with plain NVFP4: E4M3 max 448, whatever the spec.
                 x_scales[name] = global_encode_scale(x_amax).reshape(1)
-                tensors[_join(name, "input_global_scale")] = x_scales[name]
+                tensors[join(name, "input_global_scale")] = x_scales[name]
                 meta[name]["x_amax"] = x_amax.item().hex()
             groups["w4a4" if x_amax is not None else "w4a16"].append(name)
     _warn_unfused(w_scales, "weight")
@@ -271,7 +268,7 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
     if others:
         raise FileExistsError(f"{directory} already holds other weights files {sorted(others)}, "
                               "which an inference engine would load too; use an empty directory")
-    header = {"format": "pt", _META_KEY: json.dumps(meta)}
+    header = {"format": "pt", META_KEY: json.dumps(meta)}
     try:
         _write_all(directory, {
             WEIGHTS_NAME: lambda p: save_file(tensors, str(p), metadata=header),
@@ -282,63 +279,6 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
             directory.rmdir()
         raise
     return directory
-
-
-def _read(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every tensor of the checkpoint (one file, or the shards of an index) and fp4stack's
-    metadata (empty for checkpoints written by other tools)."""
-    from safetensors import safe_open
-
-    index = directory / f"{WEIGHTS_NAME}.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / WEIGHTS_NAME).exists():
-        files = [WEIGHTS_NAME]
-    else:
-        raise FileNotFoundError(f"{directory} holds no {WEIGHTS_NAME} (nor its index)")
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {}
-    for file in files:
-        with safe_open(str(directory / file), framework="pt") as f:
-            meta.update(json.loads((f.metadata() or {}).get(_META_KEY, "{}")))
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-    return tensors, meta
-
-
-def _amax(meta: dict[str, Any], key: str, scale: torch.Tensor, scale_max: float) -> torch.Tensor:
-    if key in meta:
-        return torch.tensor(float.fromhex(meta[key]), dtype=torch.float32)
-    # Another tool's checkpoint: the amax its encode scale stands for (exact up to one fp32 ulp).
-    return torch.tensor(6.0 * scale_max, dtype=torch.float32) / scale.float().reshape(())
-
-
-def _expect(tensors: dict[str, torch.Tensor], key: str, shape: tuple, dtype: torch.dtype) -> None:
-    t = tensors[key]
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise ValueError(f"{key}: the checkpoint has {t.dtype} {tuple(t.shape)}, the model "
-                         f"expects {dtype} {tuple(shape)}")
-
-
-def _layer_tensor(name: str, layer: QuantLinear, tensors: dict[str, torch.Tensor],
-                  meta: dict[str, Any]) -> tuple[NVFP4Tensor, torch.Tensor | None]:
-    """The checked NVFP4 weight of one layer and its activation amax (None when not stored)."""
-    n, k = layer.out_features, layer.in_features
-    spec = _weight_spec(layer)
-    data, scales, gs = (_join(name, s) for s in _PACKED_SUFFIXES)
-    _expect(tensors, data, (n, k // 2), torch.uint8)
-    _expect(tensors, scales, (n, k // 16), torch.float8_e4m3fn)
-    if tensors[gs].numel() != 1:
-        raise ValueError(f"{gs}: expected one global scale, got shape {tuple(tensors[gs].shape)}")
-    info = meta.get(name, {})
-    if "spec" in info and info["spec"]["four_over_six"] != spec.four_over_six:
-        raise ValueError(f"layer {name!r}: the checkpoint's four_over_six="
-                         f"{info['spec']['four_over_six']} differs from the model's "
-                         f"{spec.four_over_six}, which changes the meaning of its scales")
-    amax = _amax(info, "amax", tensors[gs], spec.scale_max)
-    t = NVFP4Tensor(tensors[data], tensors[scales], amax, torch.Size((n, k)), spec)
-    x_key = _join(name, "input_global_scale")
-    x_amax = _amax(info, "x_amax", tensors[x_key], 448.0) if x_key in tensors else None
-    return t, x_amax
 
 
 @torch.no_grad()
@@ -364,18 +304,22 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     subnormal); `input_global_scale` sets `x_amax`. Other
     tensors are copied by state_dict name. Checkpoints of other tools (llm-compressor) load too;
     their amax is derived from the global scale (one fp32 ulp from the original at most).
-    Raises ValueError naming missing or unexpected keys and mismatched shapes.
+    Nothing read is trusted (`fp4stack.compressed_tensors_read`): a truncated or foreign file,
+    an index entry outside `directory`, malformed metadata, missing or unexpected keys, mismatched
+    shapes, and NaN, infinite, negative or zero scales or amaxes raise ValueError naming the file
+    and the field, before anything is copied.
     """
     directory = Path(directory)
-    tensors, meta = _read(directory)
+    ckpt = read_checkpoint(directory)
+    tensors = ckpt.tensors
     quant = [(n, m) for n, m in model.named_modules()
              if isinstance(m, QuantLinear) and _is_nvfp4(m)]
     if not quant:
         raise ValueError("load_quantized: the model has no QuantLinear with NVFP4 weights; "
                          "convert it first (fp4stack.quantize_model) as it was before saving")
     plain = _unquantized_tensors(model)
-    required = set(plain) | {_join(n, s) for n, _ in quant for s in _PACKED_SUFFIXES}
-    optional = {_join(n, "input_global_scale") for n, _ in quant}
+    required = set(plain) | {join(n, s) for n, _ in quant for s in PACKED_SUFFIXES}
+    optional = {join(n, "input_global_scale") for n, _ in quant}
     missing = sorted(required - set(tensors))
     unexpected = sorted(set(tensors) - required - optional)
     if missing or unexpected:
@@ -384,10 +328,10 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
                          f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
     for key, target in plain.items():
         if tensors[key].shape != target.shape:
-            raise ValueError(f"{key}: the checkpoint has shape {tuple(tensors[key].shape)}, the "
-                             f"model {tuple(target.shape)}")
+            raise ValueError(f"{ckpt.where(key)}: the checkpoint has shape "
+                             f"{tuple(tensors[key].shape)}, the model {tuple(target.shape)}")
     # Everything is checked before anything is copied: a failed load leaves the model as it was.
-    layers = [(layer, *_layer_tensor(name, layer, tensors, meta)) for name, layer in quant]
+    layers = [(layer, *layer_tensor(name, layer, ckpt)) for name, layer in quant]
     with torch.no_grad():
         for key, target in plain.items():
             target.copy_(tensors[key])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -524,3 +525,113 @@ def test_foreign_checkpoint_without_metadata(tmp_path):
         # Within one fp32 ulp of the saved amax, so the values within an ulp or two as well.
         torch.testing.assert_close(got.quantized_weight(), layer.quantized_weight(),
                                    rtol=3e-7, atol=0)
+
+
+# ---- (e) nothing read is trusted ---------------------------------------------------------------
+META = "fp4stack.nvfp4"
+
+
+def rewrite(path, change=None, meta=None) -> None:
+    """Rewrite path/model.safetensors with the first element of some tensors (a raw byte for
+    E4M3) or some of fp4stack's metadata fields changed."""
+    from safetensors.torch import save_file
+
+    tensors, header = read(path)
+    for key, value in (change or {}).items():
+        t = tensors[key] = tensors[key].clone()
+        (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).view(-1)[0] = value
+    if meta == "not JSON":
+        header[META] = "{x"
+    else:
+        layers = json.loads(header[META])
+        for name, fields in (meta or {}).items():
+            layers[name].update(fields)
+        header[META] = json.dumps(layers)
+    save_file(tensors, str(path / "model.safetensors"), metadata=header)
+
+
+def assert_refused(path, match: str) -> None:
+    """load_quantized refuses the checkpoint with an error naming the file and the field, and
+    leaves the model as it was."""
+    fresh = convert(Tiny(seed=5), W4A4)
+    before = {k: bits(v).clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        load_quantized(fresh, path)
+    after = fresh.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(v, bits(after[k])) for k, v in before.items())
+
+
+FILE = r"ckpt/model.safetensors: "
+BAD_VALUES = {
+    "nan amax": ({}, {"up": {"amax": float("nan").hex()}},
+                 FILE + r"metadata field 'fp4stack.nvfp4'\['up'\].amax must be finite"),
+    "negative amax": ({}, {"mid": {"amax": (-1.5).hex()}},
+                      FILE + r"metadata field .*\['mid'\].amax must be finite and >= 0, got -1.5"),
+    "nan x_amax": ({}, {"down": {"x_amax": float("nan").hex()}}, r"\['down'\].x_amax must be"),
+    "amax not hex": ({}, {"up": {"amax": "big"}}, r"\['up'\].amax is not a float.hex\(\) string"),
+    "spec not an object": ({}, {"up": {"spec": 1}}, FILE + r".*\['up'\].spec must be an object"),
+    "metadata not JSON": ({}, "not JSON",
+                          FILE + r"metadata field 'fp4stack.nvfp4' is not valid JSON"),
+    "nan scale": ({"up.weight_scale": 0x7F}, None,
+                  FILE + r"up.weight_scale must be finite and >= 0, got nan at index \(0, 0\)"),
+    "negative scale": ({"mid.weight_scale": 0xB8}, None,
+                       FILE + r"mid.weight_scale must be finite and >= 0, got -1.0"),
+    "zero global scale": ({"up.weight_global_scale": 0.0}, None,
+                          FILE + r"up.weight_global_scale must be finite and > 0, got 0.0"),
+    "nan input scale": ({"down.input_global_scale": float("nan")}, None,
+                        FILE + r"down.input_global_scale must be finite and > 0, got nan"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_load_refuses_bad_values_naming_file_and_field(tmp_path, case):
+    change, meta, match = BAD_VALUES[case]
+    path = save_quantized(tiny_w4a4(), tmp_path / "ckpt")
+    rewrite(path, change, meta)
+    assert_refused(path, match)
+
+
+def test_load_refuses_a_foreign_scale_whose_amax_overflows(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors, _ = read(save_quantized(tiny_w4a4(), tmp_path / "ours"))
+    tensors["up.weight_global_scale"] = torch.full((1,), 1e-45)  # 2688 / 1e-45 = inf
+    (tmp_path / "theirs").mkdir()
+    save_file(tensors, str(tmp_path / "theirs" / "model.safetensors"), metadata={"format": "pt"})
+    assert_refused(tmp_path / "theirs", r"theirs/model.safetensors: up.weight_global_scale "
+                                        r"\(as an amax\) must be finite")
+
+
+def write_index(path, keys, entry: str) -> None:
+    index = {"metadata": {}, "weight_map": dict.fromkeys(keys, entry)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_index_entries_are_read_only_inside_the_checkpoint_directory(tmp_path):
+    path = save_quantized(tiny_w4a4(), tmp_path / "ckpt")
+    keys = list(read(path)[0])
+    (path / "shards").mkdir()
+    os.replace(path / "model.safetensors", path / "shards" / "a.safetensors")
+    write_index(path, keys, "shards/../shards/a.safetensors")  # inside: loads
+    fresh = convert(Tiny(seed=5), W4A4)
+    load_quantized(fresh, path)
+    assert_same_layers(tiny_w4a4(), fresh)
+    os.replace(path / "shards" / "a.safetensors", tmp_path / "outside.safetensors")
+    for entry in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "."):
+        write_index(path, keys, entry)
+        assert_refused(path, rf"ckpt/model.safetensors.index.json: 'weight_map' entry "
+                             rf"'{re.escape(entry)}' is not a file inside")
+    (path / "model.safetensors.index.json").write_text("{")
+    assert_refused(path, r"ckpt/model.safetensors.index.json: not a safetensors index")
+
+
+def test_truncated_or_foreign_files_are_named(tmp_path):
+    path = save_quantized(tiny_w4a4(), tmp_path / "ckpt")
+    data = (path / "model.safetensors").read_bytes()
+    for cut in (data[:-100], data[:4], b"not safetensors at all"):
+        (path / "model.safetensors").write_bytes(cut)
+        assert_refused(path, r"not a safetensors file or truncated: .*ckpt/model.safetensors")
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").mkdir()  # a reader's OSError, not a bare one
+    assert_refused(path, r"not a safetensors file or truncated: .*ckpt/model.safetensors")

@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "optim": 4,
     "convert": 5,
     "compressed_tensors": 5,
+    "compressed_tensors_read": 5,
     "data": 5,
     "analysis": 6,
     "train": 7,

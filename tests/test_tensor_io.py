@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -132,6 +133,63 @@ def test_loading_a_foreign_safetensors_file_is_a_clear_error(tmp_path):
         NVFP4Tensor.load(path)
 
 
+def write_file(path, tensors=None, meta=None) -> None:
+    """A tensor file as `save` writes it, with some tensors or metadata fields replaced (None
+    removes one)."""
+    from safetensors.torch import save_file
+
+    t = fp4stack.quantize(randn(4, 32))
+    header = {k: v for k, v in {**t.metadata(), **(meta or {})}.items() if v is not None}
+    tensors = {k: v for k, v in {**t.state_dict(), **(tensors or {})}.items() if v is not None}
+    save_file(tensors, str(path), metadata=header)
+
+
+def e4m3(*raw: int) -> torch.Tensor:
+    return torch.tensor([raw] * 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    "tensors,meta,match",
+    [
+        ({"amax": torch.tensor(float("nan"))}, None, "amax must be finite and >= 0, got nan"),
+        ({"amax": torch.tensor(-2.0)}, None, "amax must be finite and >= 0, got -2.0"),
+        ({"amax": torch.tensor(float("inf"))}, None, "amax must be finite and >= 0, got inf"),
+        ({"scales": e4m3(0x38, 0x7F)}, None, r"scales must be finite .*nan at index \(0, 1\)"),
+        ({"scales": e4m3(0xB8, 0x38)}, None, r"scales must be finite .*-1.0 at index \(0, 0\)"),
+        ({"amax": torch.tensor([1.0])}, None, "NVFP4Tensor.amax must be a float32 0-d"),
+        ({"data": torch.zeros(4, 8, dtype=torch.uint8)}, None, "NVFP4Tensor.data must be uint8 of"),
+        ({"amax": None}, None, r"missing tensors \['amax'\]"),
+        (None, {"spec": None}, "metadata field 'spec' is missing"),
+        (None, {"spec": "{"}, "metadata field 'spec' is not valid JSON"),
+        (None, {"spec": "[]"}, "metadata field 'spec' must be a dict"),
+        (None, {"spec": '{"rounding": "up"}'}, "invalid metadata field 'spec': .*rounding"),
+        (None, {"spec": '{"colour": 1}'}, "invalid metadata field 'spec': .*colour"),
+        (None, {"spec": '{"format": "fp8", "block": [-1, -1]}'},
+         "metadata field 'spec' has format='fp8'"),
+        (None, {"shape": None}, "metadata field 'shape' is missing"),
+        (None, {"shape": "[4, -32]"}, "metadata field 'shape' must be a list of sizes"),
+    ],
+)
+def test_load_checks_what_it_reads_and_names_the_file_and_field(tmp_path, tensors, meta, match):
+    path = tmp_path / "w.safetensors"
+    write_file(path, tensors, meta)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {match}"):
+        NVFP4Tensor.load(path)
+
+
+def test_load_names_a_truncated_or_unreadable_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    fp4stack.quantize(randn(4, 32)).save(path)
+    data = path.read_bytes()
+    for cut in (data[:-8], data[:5], b""):
+        path.write_bytes(cut)
+        with pytest.raises(ValueError, match="not a safetensors file or truncated: "
+                                             f"{re.escape(str(path))}"):
+            NVFP4Tensor.load(path)
+    with pytest.raises(ValueError, match=f"truncated: {re.escape(str(tmp_path))} "):
+        NVFP4Tensor.load(tmp_path)  # a directory: a bare OSError from the reader
+
+
 def good_parts(shape=(4, 20)):
     t = fp4stack.quantize(randn(*shape))
     return dict(data=t.data, scales=t.scales, amax=t.amax, shape=t.shape, spec=t.spec)
@@ -144,7 +202,7 @@ def good_parts(shape=(4, 20)):
         ({"data": torch.zeros(4, 16, dtype=torch.int8)}, "data must be uint8"),
         ({"scales": torch.zeros(4, 2)}, "scales must be float8_e4m3fn"),
         ({"scales": torch.zeros(4, 3, dtype=torch.float8_e4m3fn)}, r"shape \(4, 2\)"),
-        ({"amax": torch.tensor([1.0])}, "amax must be a float32 0-d tensor"),
+        ({"amax": torch.tensor([1.0])}, "NVFP4Tensor.amax must be a float32 0-d"),
         ({"amax": torch.tensor(1.0, dtype=torch.float64)}, "amax must be a float32"),
         ({"shape": ()}, "at least one dim"),
         ({"shape": (4, 40)}, "data must be uint8 of shape"),

@@ -112,13 +112,79 @@ class NVFP4Tensor:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> NVFP4Tensor:
-        from safetensors import safe_open
+        """Read a file written by `save`, checking everything it holds before use (ValueError
+        naming the file and the field: not a safetensors file, no fp4stack metadata, wrong
+        shapes or dtypes, a NaN, infinite or negative amax or block scale)."""
+        tensors, meta = read_safetensors(path, device=device)
+        if meta.get("format") != "nvfp4":
+            raise ValueError(f"{path} is not an fp4stack NVFP4 tensor file (no format=nvfp4)")
+        spec = _meta_field(path, meta, "spec", dict)
+        if isinstance(spec.get("block"), list):
+            spec["block"] = tuple(spec["block"])
+        try:
+            spec = QuantSpec(**spec)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid metadata field 'spec': {e}") from None
+        if spec.format != "nvfp4":
+            raise ValueError(f"{path}: metadata field 'spec' has format={spec.format!r}, "
+                             "expected 'nvfp4'")
+        shape = _meta_field(path, meta, "shape", list)
+        if not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{path}: metadata field 'shape' must be a list of sizes, got {shape}")
+        missing = sorted({"data", "scales", "amax"} - set(tensors))
+        if missing:
+            raise ValueError(f"{path}: missing tensors {missing}")
+        try:
+            t = cls(shape=torch.Size(shape), spec=spec,
+                    **{k: tensors[k] for k in ("data", "scales", "amax")})
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        check_amax(t.amax, f"{path}: amax")
+        check_block_scales(t.scales, f"{path}: scales")
+        return t
 
+
+def read_safetensors(path: str | os.PathLike, device: torch.device | str = "cpu"
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a safetensors file and its header metadata; a file that is not one (or
+    is truncated) raises ValueError naming it, a missing one FileNotFoundError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != "nvfp4":
-                raise ValueError(f"{path} is not an fp4stack NVFP4 tensor file (no format=nvfp4)")
-            tensors = {k: f.get_tensor(k) for k in ("data", "scales", "amax")}
-        spec = json.loads(meta["spec"])
-        spec["block"] = tuple(spec["block"])
-        return cls(shape=torch.Size(json.loads(meta["shape"])), spec=QuantSpec(**spec), **tensors)
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}  # noqa: SIM118
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such file: {path}") from None
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"not a safetensors file or truncated: {path} ({e})") from None
+
+
+def _meta_field(path: str | os.PathLike, meta: dict[str, str], key: str, kind: type):
+    try:
+        value = json.loads(meta[key])
+    except KeyError:
+        raise ValueError(f"{path}: metadata field {key!r} is missing") from None
+    except ValueError:
+        raise ValueError(f"{path}: metadata field {key!r} is not valid JSON") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path}: metadata field {key!r} must be a {kind.__name__}, got "
+                         f"{type(value).__name__}")
+    return value
+
+
+def check_amax(amax: torch.Tensor, where: str) -> None:
+    """Refuse a global amax read from a file unless finite and >= 0 (a NaN or negative one would
+    turn every value NaN or flip its sign); `where` names the file and the field."""
+    bad = amax[~(torch.isfinite(amax) & (amax >= 0))]
+    if bad.numel():
+        raise ValueError(f"{where} must be finite and >= 0, got {bad.flatten()[0].item()}")
+
+
+def check_block_scales(scales: torch.Tensor, where: str) -> None:
+    """Refuse E4M3 block scales read from a file unless all are finite (E4M3 has NaN, no Inf)
+    and >= 0."""
+    s = scales.float()
+    bad = ~(torch.isfinite(s) & (s >= 0))
+    if bad.any():
+        i = tuple(int(j) for j in bad.nonzero()[0])
+        raise ValueError(f"{where} must be finite and >= 0, got {s[i].item()} at index {i}")

@@ -88,7 +88,7 @@ COMPARE = Command(
     help="pretrain one config with several recipes; table of the loss gap to BF16 and a plot",
     description=(
         "Train the same config (seed, data order, tokens) once per recipe, then write "
-        "DIR/compare.md (final validation loss, gap to BF16 in %%, tokens/s), compare.json and "
+        "DIR/compare.md (final validation loss, gap to BF16 in %, tokens/s), compare.json and "
         "compare.png (loss curves). Finished runs are reused."
     ),
     **_lazy(".train.command", add="add_compare_arguments", run="run_compare"),

@@ -12,7 +12,7 @@ import torch
 
 from fp4stack import __version__
 from fp4stack.analysis import DISTRIBUTIONS, METHODS
-from fp4stack.cli import main
+from fp4stack.cli import COMMANDS, main
 
 ARGS = ["quant-error", "--rows", "64", "--cols", "128", "--format", "json"]
 NVFP4 = [m.key for m in METHODS if m.key.startswith("nvfp4")]
@@ -153,3 +153,36 @@ def test_python_dash_m_fp4stack():
         capture_output=True, text=True, timeout=120, check=True,
     )
     assert proc.stdout.strip() == f"fp4stack {__version__}"
+
+
+def test_ckpt_every_reaches_the_config(tmp_path, monkeypatch, capsys):
+    from fp4stack.train import compare as compare_mod
+    from fp4stack.train import trainer as trainer_mod
+
+    seen = []
+
+    def fake_train(cfg, **kwargs):
+        seen.append(cfg)
+        raise FileNotFoundError("stopped after the config")
+
+    monkeypatch.setattr(trainer_mod, "train", fake_train)
+    monkeypatch.setattr(compare_mod, "train", fake_train)
+    config = tmp_path / "c.yaml"
+    config.write_text("max_steps: 12\nckpt_every: 5\n")
+    assert main(["pretrain", "--config", str(config), "--ckpt-every", "3"]) == 2
+    assert main(["compare", "--config", str(config), "--recipes", "bf16", "--out",
+                 str(tmp_path / "cmp"), "--ckpt-every", "4"]) == 2
+    assert main(["pretrain", "--config", str(config)]) == 2
+    assert [c.ckpt_every for c in seen] == [3, 4, 5]
+    assert "stopped after the config" in capsys.readouterr().err
+    assert main(["pretrain", "--config", str(config), "--ckpt-every", "-1"]) == 2
+    assert "ckpt_every" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [None, *(c.name for c in COMMANDS)])
+def test_help_has_no_literal_percent_escapes(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"] if command is None else [command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "%%" not in out and "%(" not in out

@@ -374,6 +374,43 @@ def test_resume_guards(data, tmp_path):
         train(config(data, tmp_path, max_steps=4, recipe="nvfp4"), resume=True)
 
 
+# nvfp4 with a BF16 tail: the final weights were evaluated after the precision switch.
+@pytest.mark.parametrize("kw", [{}, {"recipe": "nvfp4", "high_precision_tail": 0.5}],
+                         ids=["bf16", "nvfp4-tail"])
+def test_resume_of_a_finished_run_trains_nothing_and_keeps_its_result(data, tmp_path, capsys,
+                                                                       kw):
+    train(config(data, tmp_path, max_steps=4, warmup_steps=1, **kw))
+    result_file = tmp_path / "result.json"
+    saved, metrics = result_file.read_text(), (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    again = train(config(data, tmp_path, max_steps=4, warmup_steps=1, **kw), resume=True)
+    out = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 4, the run's max_steps is 4" in out
+    assert "done:" not in out
+    assert result_file.read_text() == saved and again == json.loads(saved)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    # Stopped between the final checkpoint and result.json: the checkpoint's result, no NaN.
+    result_file.unlink()
+    again = train(config(data, tmp_path, max_steps=4, warmup_steps=1, **kw), resume=True)
+    first = json.loads(saved)
+    assert again["steps_this_run"] == 0 and again["steps"] == 4
+    assert again["final_val_loss"] == first["final_val_loss"]
+    assert again["final_loss"] == first["final_loss"]
+    assert again["final_val_loss_high_precision"] == first["final_val_loss_high_precision"]
+    assert math.isfinite(again["tokens_per_s"]) and again["tokens_per_s"] > 0
+    assert json.loads(result_file.read_text())["final_val_loss"] == first["final_val_loss"]
+    assert "NaN" not in result_file.read_text()  # how json writes a NaN
+
+
+def test_resume_with_max_steps_below_the_checkpoint_is_refused(data, tmp_path):
+    train(config(data, tmp_path, max_steps=4, warmup_steps=1))
+    saved = (tmp_path / "result.json").read_text()
+    with pytest.raises(ValueError, match="at step 4, past max_steps 2; pass --max-steps 4 or "
+                       "more"):
+        train(config(data, tmp_path, max_steps=2, warmup_steps=1), resume=True)
+    assert (tmp_path / "result.json").read_text() == saved
+
+
 def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch):
     real_save = ckpt_mod.save_file
     calls = []
@@ -671,3 +708,19 @@ def test_fullstack_nvidia_presets_are_fullstack_on_nvidias_quantizers():
     last = get_recipe("fullstack-nvidia-noreuse-last-bf16")
     assert last == base.with_(name=last.name, keep_last_blocks=1) and last.keep_first_blocks == 0
     assert lowrank.attention is None and lowrank.optimizer_states == "fp32"
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    from fp4stack.train.distributed import DistEnv
+
+    model = torch.nn.Linear(4, 4)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+                  owns_group=False)
+    old = os.umask(0o022)
+    try:
+        path = ckpt_mod.save_checkpoint(tmp_path, 1, model, torch.optim.AdamW(model.parameters()),
+                                        {}, env, keep=1)
+    finally:
+        os.umask(old)
+    assert {p.stat().st_mode & 0o777 for p in path.iterdir()} == {0o644}, sorted(
+        (p.name, oct(p.stat().st_mode)) for p in path.iterdir())

@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with fields changed (README, 'Quantized layers, recipes and models'; "
                    "default: the config's)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (default: the config's)")
+    add_ckpt_every_argument(p)
     p.add_argument("--out", help="output directory; '{recipe}' is replaced by the recipe name")
     p.add_argument("--data", help="data directory with train.bin, val.bin, manifest.json")
     p.add_argument("--seed", type=int, help="seed of init, data order and stochastic rounding")
@@ -46,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_verbose_argument(p)
 
 
+def add_ckpt_every_argument(p: argparse.ArgumentParser) -> None:
+    """--ckpt-every, the same for `fp4stack pretrain` and `fp4stack compare`."""
+    p.add_argument("--ckpt-every", type=int, metavar="N",
+                   help="save a checkpoint every N steps, for --resume; 0: only the final one "
+                   "(default: the config's)")
+
+
 def add_verbose_argument(p: argparse.ArgumentParser) -> None:
     """--verbose, the same for `fp4stack pretrain` and `fp4stack compare`."""
     p.add_argument("--verbose", action="store_true",
@@ -63,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                           out=args.out, data=args.data, seed=args.seed, device=args.device,
                           distributed=args.distributed, micro_batch_size=args.micro_batch_size,
                           deterministic=args.deterministic, weight_flips=args.weight_flips,
-                          high_precision_tail=args.high_precision_tail)
+                          high_precision_tail=args.high_precision_tail,
+                          ckpt_every=args.ckpt_every)
         train(cfg, resume=args.resume, verbose=args.verbose)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)
@@ -94,6 +103,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-train", action="store_true",
                    help="train nothing: report on the runs already finished in --out")
     p.add_argument("--max-steps", type=int, help="override the config's max_steps")
+    add_ckpt_every_argument(p)
     p.add_argument("--data", help="override the config's data directory")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--deterministic", action="store_true", default=None,
@@ -113,7 +123,8 @@ def run_compare(args: argparse.Namespace) -> int:
         extra = _seeds(args.baseline_seeds, "--baseline-seeds")
         rows = run_comparison(args.config, recipes, args.out, seeds=seeds,
                               baseline_seeds=extra, train_missing=not args.no_train,
-                              max_steps=args.max_steps, data=args.data,
+                              max_steps=args.max_steps, ckpt_every=args.ckpt_every,
+                              data=args.data,
                               device=args.device, deterministic=args.deterministic,
                               verbose=args.verbose)
     except (ValueError, FileNotFoundError) as e:

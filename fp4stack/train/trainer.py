@@ -33,6 +33,7 @@ from .checkpoint import save_checkpoint
 from .config import PretrainConfig
 from .determinism import deterministic_algorithms
 from .evaluation import evaluate, val_chunks
+from .metrics import read_metrics
 from .optimizers import set_lr
 from .run import Run, build_model, open_data, start_run
 from .schedule import lr_at
@@ -202,15 +203,36 @@ def _loop(run: Run) -> None:
             save_run(run, done)
 
 
+def _nothing_to_train(run: Run) -> dict[str, Any]:
+    """The result of a resumed run whose checkpoint is at max_steps: result.json as it is, or,
+    when the run stopped between its final checkpoint and result.json, that checkpoint's."""
+    cfg = run.cfg
+    run.say(f"nothing to train: the checkpoint is at step {run.start_step}, the run's max_steps "
+            f"is {cfg.max_steps}")
+    path = cfg.out_dir / "result.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    if cfg.switch_step is not None and run.start_step >= cfg.switch_step:
+        run.switched = True  # as the loop left the final weights: computing in BF16
+        to_high_precision(run.gpt)
+    evaluate_step(run, run.start_step, final=True)
+    losses = [r["loss"] for r in read_metrics(cfg.out_dir) if "loss" in r]
+    run.loss = losses[-1] if losses else run.loss
+    return _result(run)
+
+
 def _result(run: Run) -> dict[str, Any]:
     cfg, env = run.cfg, run.env
     steps_run = cfg.max_steps - run.start_step
+    # Nothing trained in this process (a finished run's missing result): the whole run's speed.
+    steps_timed, seconds = (steps_run, run.train_s) if steps_run else (cfg.max_steps,
+                                                                       run.prior_train_s)
     result = {
         "recipe": cfg.recipe_name, "steps": cfg.max_steps, "steps_this_run": steps_run,
         "tokens": cfg.max_steps * run.tokens_per_step, "final_loss": run.loss,
         "final_val_loss": run.val_loss,
         "final_val_loss_high_precision": run.val_loss_high_precision,
-        "tokens_per_s": (steps_run * run.tokens_per_step / run.train_s if run.train_s
+        "tokens_per_s": (steps_timed * run.tokens_per_step / seconds if seconds
                          else math.nan),
         "train_s": run.train_s, "wall_s": time.perf_counter() - run.wall_start,
         "nan_skips": run.nan_skips, "params": run.params,
@@ -230,12 +252,17 @@ def train(cfg: PretrainConfig, *, resume: bool = False, verbose: bool = False) -
     """Run (or with resume=True, continue) the pretraining run of `cfg`; returns a result dict:
     final_val_loss, final_val_loss_high_precision (the final weights evaluated with every
     quantizer off; None for a BF16 recipe or after a precision switch), final_loss,
-    tokens_per_s, steps, tokens, wall_s, nan_skips, params, out. verbose: print every module
-    the recipe converted or kept (the ConversionSummary), not its one-line short form."""
+    tokens_per_s, steps, tokens, wall_s, nan_skips, params, out. A resume of a finished run
+    (its checkpoint at max_steps) trains nothing and returns its result.json unchanged; one past
+    max_steps is a ValueError. verbose: print every module the recipe converted or kept (the
+    ConversionSummary), not its one-line short form."""
     env = distributed.setup(cfg.device)
     try:
         with deterministic_algorithms(cfg.deterministic):
             run = start_run(cfg, resume, env, verbose)
+            if run.start_step == cfg.max_steps:
+                run.logger.close()
+                return _nothing_to_train(run)
             from tqdm.auto import tqdm
 
             run.bar = tqdm(total=cfg.max_steps, initial=run.start_step, unit="step",

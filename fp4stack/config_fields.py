@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 
@@ -49,6 +51,22 @@ def check_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def read_yaml(path: str | os.PathLike, extra: str = "train") -> Any:
+    """The data a YAML file holds; ValueError naming the file, line and column when it is not
+    valid YAML (PyYAML is imported here: ImportError naming the extra that installs it)."""
+    try:
+        import yaml
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs PyYAML: pip install 'fp4stack[{extra}]'") from e
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from None
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     value = int(text)
@@ -57,4 +75,4 @@ def positive_int(text: str) -> int:
     return value
 
 
-__all__ = ["check_float", "check_int", "check_keys", "positive_int", "suggest"]
+__all__ = ["check_float", "check_int", "check_keys", "positive_int", "read_yaml", "suggest"]

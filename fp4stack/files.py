@@ -46,4 +46,16 @@ def publish(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["new_file_mode", "publish", "temp_path"]
+def make_output_dir(path: Path) -> Path:
+    """`path` created as a directory (with its parents) for a run's output; ValueError naming it
+    when a file, not a directory, is in the way."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"output directory {path}: {p} is a file, not a directory; choose "
+                             "another --out")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+__all__ = ["make_output_dir", "new_file_mode", "publish", "temp_path"]

@@ -92,3 +92,33 @@ def test_a_misspelt_task_option_is_named(spec):
     with pytest.raises(ValueError, match=r"unknown task option 'levle' \(did you mean 'level'"):
         load_task(spec, levle=2)
     assert load_task(spec, level=2, n_test=5).test_set()
+
+
+@pytest.mark.parametrize("load", ["pretrain", "rl", "recipe"])
+def test_a_broken_yaml_file_is_named_with_its_line(tmp_path, load):
+    from fp4stack.rl.config import load_rl_config
+    from fp4stack.train.config import load_config, recipe_arg
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  dim: 64\n   n_layers: [2\n")
+    fn = {"pretrain": load_config, "rl": load_rl_config, "recipe": recipe_arg}[load]
+    with pytest.raises(ValueError, match=r"broken.yaml: not valid YAML at line \d+, column \d+"):
+        fn(str(path))
+
+
+def test_a_manifest_vocab_below_the_datas_is_named(tmp_path):
+    import json
+
+    import numpy as np
+
+    from fp4stack.data.shards import TokenShards, write_shard
+
+    write_shard(tmp_path / "train.bin", np.arange(300), vocab_size=300)
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 300}))
+    assert len(TokenShards(tmp_path)) == 300
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 200}))
+    with pytest.raises(ValueError, match="holds token id 299, but .* says vocab_size 200"):
+        TokenShards(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab": 300}))
+    with pytest.raises(ValueError, match="vocab_size must be an integer"):
+        TokenShards(tmp_path)

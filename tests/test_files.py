@@ -41,3 +41,14 @@ def test_publish_renames_a_complete_file_in_one_step(tmp_path):
     tmp.write_text("new")
     publish(tmp, path)
     assert path.read_text() == "new" and not tmp.exists()
+
+
+def test_an_output_directory_in_place_of_a_file_is_named(tmp_path):
+    from fp4stack.files import make_output_dir
+
+    (tmp_path / "taken").write_text("not a directory")
+    for out in (tmp_path / "taken", tmp_path / "taken" / "run"):
+        with pytest.raises(ValueError, match=r"taken is a file, not a directory; choose another"):
+            make_output_dir(out)
+    assert make_output_dir(tmp_path / "a" / "b").is_dir()
+    assert (tmp_path / "taken").read_text() == "not a directory"

@@ -52,11 +52,25 @@ class TokenShards:
             raise FileNotFoundError(f"{manifest_path} not found: build the data first "
                                     "(fp4stack data build)")
         self.manifest = json.loads(manifest_path.read_text())
-        self.vocab_size = int(self.manifest["vocab_size"])
+        vocab = self.manifest.get("vocab_size") if isinstance(self.manifest, dict) else None
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"{manifest_path}: vocab_size must be an integer >= 1, got "
+                             f"{vocab!r}; rebuild the data (fp4stack data build)")
+        self.vocab_size = vocab
         path = directory / f"{split}.bin"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found (splits: train, val)")
-        self.tokens = np.memmap(path, dtype=token_dtype(self.vocab_size), mode="r")
+        dtype = np.dtype(token_dtype(vocab))
+        if path.stat().st_size % dtype.itemsize:
+            raise ValueError(f"{path}: {path.stat().st_size} bytes is not a whole number of "
+                             f"{dtype} tokens (vocab_size {vocab} in {manifest_path}): the file "
+                             "is truncated or the manifest is not its own; rebuild the data")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        # Checked once here, so a mismatch is named, not an index error inside the embedding.
+        top = int(self.tokens.max()) if len(self.tokens) else -1
+        if top >= vocab:
+            raise ValueError(f"{path} holds token id {top}, but {manifest_path} says vocab_size "
+                             f"{vocab}: the manifest is not this data's; rebuild the data")
 
     def __len__(self) -> int:
         return len(self.tokens)

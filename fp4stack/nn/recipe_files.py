@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..config_fields import read_yaml
+
 RECIPE_PATH_ENV = "FP4STACK_RECIPE_PATH"
 SUFFIX = ".yaml"
 # Present in a source checkout (the package two levels below the repository root), not in a wheel.
@@ -46,12 +48,7 @@ def recipe_file_names() -> list[str]:
 
 def read_recipe_file(path: str | os.PathLike) -> Any:
     """The recipe mapping a YAML file holds (under its `recipe` key, or top-level); unchecked."""
-    try:
-        import yaml
-    except ImportError as e:
-        raise ImportError(f"reading the recipe file {path} needs PyYAML: "
-                          "pip install 'fp4stack[train]'") from e
-    data = yaml.safe_load(Path(path).read_text())
+    data = read_yaml(path)
     return data.get("recipe", data) if isinstance(data, Mapping) else data
 
 

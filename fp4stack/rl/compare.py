@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..files import make_output_dir
 from ..train.metrics import read_metrics
 from .config import RLConfig
 from .trainer import run_rl
@@ -131,7 +132,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_report(rows: list[dict[str, Any]], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     (out / "rl_compare.md").write_text(format_table(rows) + "\n")
     (out / "rl_compare.json").write_text(json.dumps(rows, indent=1))
     with contextlib.suppress(ImportError):  # matplotlib is optional

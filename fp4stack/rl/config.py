@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config_fields import check_float, check_int, check_keys
+from ..config_fields import check_float, check_int, check_keys, read_yaml
 from .rollout import PRECISIONS
 
 TRAINERS = ("bf16", "qat-w")
@@ -109,15 +109,13 @@ class RLConfig:
 
 def load_rl_config(path: str | os.PathLike | None = None, **overrides: Any) -> RLConfig:
     """Read a YAML config (None: the defaults) and apply overrides (None values ignored)."""
-    import yaml
-
     d: dict[str, Any] = {}
     source = str(path or "config")
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config {path} not found (presets: configs/rl/*.yaml)")
-        d = yaml.safe_load(path.read_text()) or {}
+        d = read_yaml(path) or {}
     check_keys(d, RLConfig, source)
     try:
         return RLConfig(**d).with_overrides(**overrides)

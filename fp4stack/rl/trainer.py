@@ -23,6 +23,7 @@ from torch import nn
 from ..convert import quantize_model
 from ..data.tasks import Example, Task, load_task, pass_at_k
 from ..device import resolve_device
+from ..files import make_output_dir
 from ..nn.moe import replay_routing
 from ..train.metrics import MetricsLogger
 from . import policy as lm
@@ -163,7 +164,7 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
     device = resolve_device(cfg.device)
     out = cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     torch.manual_seed(cfg.seed)
     task = load_task(cfg.task, **cfg.task_options)

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..files import make_output_dir
 from ..nn.recipe import recipe as get_recipe
 from .checkpoint import latest_checkpoint
 from .config import load_config, recipe_arg
@@ -161,7 +162,7 @@ def format_summary(rows: list[RunRow]) -> str:
 
 
 def write_report(rows: list[RunRow], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     (out / "compare.md").write_text(format_table(rows) + "\n")
     (out / "compare.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     with contextlib.suppress(ImportError):  # matplotlib is optional (fp4stack[analysis])

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..config_fields import check_float, check_int, check_keys, suggest
+from ..config_fields import check_float, check_int, check_keys, read_yaml, suggest
 from ..models.gpt import GPTConfig
 from ..nn.recipe import recipe as get_recipe
 from ..nn.recipe_files import read_recipe_file
@@ -228,14 +228,12 @@ def recipe_arg(value: str) -> str | dict[str, Any]:
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> PretrainConfig:
     """Read a YAML config (None: the defaults) and apply CLI overrides (None values ignored)."""
-    import yaml
-
     d: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config {path} not found (presets: configs/pretrain/*.yaml)")
-        d = yaml.safe_load(path.read_text()) or {}
+        d = read_yaml(path) or {}
     cfg = from_dict(d, source=str(path or "config"))
     try:
         return cfg.with_overrides(**overrides)

@@ -21,6 +21,7 @@ from torch import nn
 from ..analysis.weight_flips import WeightFlips
 from ..convert import quantize_model
 from ..data.shards import TokenShards
+from ..files import make_output_dir
 from ..models.gpt import GPT
 from . import distributed
 from .checkpoint import load_checkpoint
@@ -140,7 +141,7 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
     if ckpt is not None:
         _say(env, None, f"resumed from {ckpt} at step {state['step']}")
     if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+        make_output_dir(out)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     logger = MetricsLogger(out, env.is_main, cfg.tensorboard,
                            resume_step=state["step"] if ckpt is not None else None)

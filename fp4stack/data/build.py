@@ -14,6 +14,7 @@ ever deleted.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -142,6 +143,8 @@ def build_dataset(
 
     # 4. Encode and write everything into a temporary directory next to `out`.
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.building-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a build killed midway left it
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
     try:
         split_records = {}

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import checkpoint_dirs, latest_checkpoint
+from .checkpoint_check import checkpoint_problem
 from .config import PretrainConfig
 
 MUST_MATCH = ("model", "seq_len", "global_batch_size", "seed", "recipe")
@@ -41,6 +42,23 @@ def check_resume(saved: dict[str, Any], cfg: PretrainConfig, say: Callable[[str]
             "run's learning rates differ from the original run's")
 
 
+def intact_checkpoint(out: Path, say: Callable[[str], None]) -> Path:
+    """The newest intact checkpoint of the run in `out`, saying which damaged ones it passed
+    over; ValueError naming each damaged file when none is intact."""
+    damaged = []
+    for path in reversed(checkpoint_dirs(out)):
+        problem = checkpoint_problem(path)
+        if not problem:
+            if damaged:
+                say(f"warning: {'; '.join(damaged)}: resuming from the newest intact "
+                    f"checkpoint, {path.name}")
+            return path
+        damaged.append(problem)
+    raise ValueError(f"--resume: no intact checkpoint in {out / 'checkpoints'}: "
+                     f"{'; '.join(damaged)}. Remove the damaged checkpoints to start the run "
+                     "again, or --out another directory for a new run")
+
+
 def checkpoint_to_resume(cfg: PretrainConfig, resume: bool, train_tokens: int,
                          say: Callable[[str], None]) -> Path | None:
     """The checkpoint of cfg's run to continue (None: a new run), checked against cfg and the
@@ -54,6 +72,7 @@ def checkpoint_to_resume(cfg: PretrainConfig, resume: bool, train_tokens: int,
             raise FileExistsError(f"{out} already holds a checkpoint ({ckpt.name}): pass --resume "
                                   "to continue that run, or --out another directory")
         return None
+    ckpt = intact_checkpoint(out, say)
     saved = json.loads((ckpt / "state.json").read_text())
     check_resume(saved["config"], cfg, say)
     if saved["train_tokens"] != train_tokens:

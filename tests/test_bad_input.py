@@ -122,3 +122,10 @@ def test_a_manifest_vocab_below_the_datas_is_named(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"vocab": 300}))
     with pytest.raises(ValueError, match="vocab_size must be an integer"):
         TokenShards(tmp_path)
+
+
+def test_the_low_64_bits_of_a_seed_count():
+    from fp4stack.formats.random import seed_keys
+
+    assert seed_keys(5) == seed_keys(5 + 2**64) == seed_keys(5 - 2**64)
+    assert seed_keys(5) != seed_keys(5 + 2**40)

@@ -46,7 +46,8 @@ def lowbias32_int(x: int) -> int:
 
 
 def seed_keys(seed: int) -> tuple[int, int]:
-    """Two 32-bit keys derived from a seed of any size."""
+    """Two 32-bit keys derived from a seed: any int, of which the low 64 bits count (the low
+    32 XOR the next 32), so seeds that agree there draw the same values."""
     k1 = lowbias32_int(seed ^ (seed >> 32))
     k2 = lowbias32_int(k1 ^ SEED_SALT)
     return k1, k2

@@ -9,12 +9,12 @@ only part of a recipe's linears. The types are in fp4stack.nn.recipe_types.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..config_fields import suggest
 from ..formats.spec import QuantSpec
 from .attention_quant import AttentionQuant
 from .recipe_files import (
@@ -177,8 +177,7 @@ def _own_name(r: Recipe) -> Recipe:
 
 def _unknown(name: str) -> str:
     files = recipe_file_names()
-    close = difflib.get_close_matches(name, [*PRESETS, *files], n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = suggest(name, [*PRESETS, *files])
     dirs = ", ".join(str(d) for d in recipe_dirs()) or "no directory found"
     return (f"unknown recipe {name!r}{hint}; the presets are {list(PRESETS)}, the recipe files "
             f"{files} (in {dirs}), each optionally with @SCOPE ({', '.join(SCOPES)}). To add "

@@ -20,11 +20,11 @@ A recipe file (fp4stack.nn.recipe_files) holds one such mapping, found by its na
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
+from ..config_fields import suggest
 from ..formats.spec import QuantSpec
 from .attention_ablation import AttentionAblation
 from .attention_quant import NVFP4_RNE, AttentionQuant
@@ -38,9 +38,8 @@ KEYS = ("preset", "name", *LINEAR_OPERANDS, *_SCALARS, *_PARTS)
 
 
 def _unknown(where: str, key: str, known) -> ValueError:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"{where}.{key}: unknown field{hint}; known fields: {sorted(known)}")
+    return ValueError(f"{where}.{key}: unknown field{suggest(str(key), known)}; known fields: "
+                      f"{sorted(known)}")
 
 
 def _spec(where: str, value: Any, base: QuantSpec | None, nullable: bool) -> QuantSpec | None:

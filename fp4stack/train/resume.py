@@ -78,4 +78,8 @@ def checkpoint_to_resume(cfg: PretrainConfig, resume: bool, train_tokens: int,
     if saved["train_tokens"] != train_tokens:
         raise ValueError(f"--resume: the checkpoint was trained on {saved['train_tokens']} "
                          f"training tokens, {cfg.data} holds {train_tokens}")
+    if saved["step"] > cfg.max_steps:
+        raise ValueError(f"--resume: the checkpoint {ckpt} is at step {saved['step']}, past "
+                         f"max_steps {cfg.max_steps}; pass --max-steps {saved['step']} or more "
+                         "to continue that run, or --out another directory for a new run")
     return ckpt

@@ -113,12 +113,6 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
     train_data, val_data = open_data(cfg)
     chunks = val_chunks(val_data, cfg, env)
     ckpt = checkpoint_to_resume(cfg, resume, len(train_data), lambda m: _say(env, None, m))
-    if ckpt is not None:
-        step = json.loads((ckpt / "state.json").read_text())["step"]
-        if step > cfg.max_steps:
-            raise ValueError(f"--resume: the checkpoint {ckpt} is at step {step}, past max_steps "
-                             f"{cfg.max_steps}; pass --max-steps {step} or more to continue that "
-                             "run, or --out another directory for a new run")
 
     gpt, summary = build_model(cfg, train_data.vocab_size, device)
     if env.is_main:

@@ -160,6 +160,14 @@ def global_encode_scale(amax: np.float32, scale_max: float) -> np.float32:
     return F32(s_enc)
 
 
+def global_decode_scale(amax: np.float32, scale_max: float) -> np.float32:
+    """amax * (1/(6 * scale_max)); where 6 * scale_max / amax overflows (S_enc capped at
+    FLT_MAX) the inverse of the capped scale, fl32(1 / FLT_MAX) = 2^-128, instead."""
+    with np.errstate(divide="ignore", over="ignore"):
+        capped = amax > 0 and F32(scale_max * 6) / F32(amax) > FLT_MAX
+    return F32(F32(1) / FLT_MAX) if capped else F32(F32(amax) * (F32(1) / F32(6 * scale_max)))
+
+
 def _encode_block(xs, s_byte, s_dec, us):
     with np.errstate(divide="ignore", over="ignore"):
         enc = F32(1) / (F32(e4m3_byte_to_float(s_byte)) * s_dec)
@@ -241,7 +249,7 @@ def quantize(
         amax_f = F32(amax)
     s_enc = global_encode_scale(amax_f, scale_max)
     s_dec = F32(1) / s_enc
-    dec = amax_f * (F32(1) / F32(scale_max * 6))
+    dec = global_decode_scale(amax_f, scale_max)
 
     padded = [[F32(v) for v in r] + [F32(0)] * (kp - k) for r in rows]
     us = None
@@ -319,8 +327,8 @@ def quantize(
 
 def dequantize(data: np.ndarray, scales: np.ndarray, amax: np.float32, k: int,
                scale_max: float = 448.0) -> np.ndarray:
-    """x_hat = e2m1(code) * float(s_b) * (amax * (1/(6 * scale_max))), float32, cut to K."""
-    dec = F32(amax) * (F32(1) / F32(6 * scale_max))
+    """x_hat = e2m1(code) * float(s_b) * D, float32, cut to K (D: global_decode_scale)."""
+    dec = global_decode_scale(F32(amax), scale_max)
     lead = data.shape[:-1]
     d2 = data.reshape(-1, data.shape[-1])
     s2 = scales.reshape(-1, scales.shape[-1])

@@ -141,9 +141,10 @@ def test_stochastic_rounding_on_and_beside_the_grid():
         torch.full((16, 32), torch.finfo(torch.float32).max),
         torch.full((16, 32), -torch.finfo(torch.float32).max),
         torch.full((16, 32), torch.finfo(torch.float32).tiny / 8),  # float32 subnormals
+        torch.randn(16, 32, generator=torch.Generator().manual_seed(0)) * 1e-36,  # S_enc capped
         torch.cat([torch.randn(15, 32), torch.full((1, 32), 1e4)]),
     ],
-    ids=["zeros", "max", "-max", "fp32-subnormal", "outlier"],
+    ids=["zeros", "max", "-max", "fp32-subnormal", "capped-scale", "outlier"],
 )
 @pytest.mark.parametrize("name", ["rne", "2d", "4over6", "sr"])
 def test_adversarial(x, name):

@@ -52,6 +52,27 @@ def test_global_encode_scale_formula():
     assert global_encode_scale(a, 256.0).item() == (torch.tensor(1536.0) / a).item()
 
 
+def test_tiny_amax_decodes_with_the_scale_that_encoded():
+    # Below amax = 2688 / FLT_MAX (about 7.9e-36) S_enc is capped at FLT_MAX; decoding must use
+    # its inverse 2^-128, not amax / 2688 (which shrank such tensors about 25x or more).
+    g = torch.Generator().manual_seed(0)
+    for magnitude in (1e-36, 1e-37):
+        x = torch.randn(4, 64, generator=g) * magnitude
+        t = fp4stack.quantize(x)
+        assert global_encode_scale(t.amax).item() == FLT_MAX
+        assert t.decode_scale.item() == 2.0**-128 == (1 / global_encode_scale(t.amax)).item()
+        y = fp4stack.fake_quantize(x).double()
+        rel = ((y - x.double()).norm() / x.double().norm()).item()
+        assert rel < 0.12, rel  # the usual NVFP4 error of Gaussian data (about 0.09)
+    # Just above the threshold the encode scale is not capped: D stays amax * (1/2688).
+    a = torch.tensor(2688.0) / FLT_MAX
+    a = torch.nextafter(a, torch.tensor(1.0))
+    while not torch.isfinite(torch.tensor(2688.0) / a):
+        a = torch.nextafter(a, torch.tensor(1.0))
+    t = fp4stack.quantize(torch.full((1, 16), a.item()))
+    assert t.decode_scale.item() == (a * torch.tensor(1 / 2688.0)).item()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "opts",

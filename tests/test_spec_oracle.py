@@ -164,6 +164,17 @@ def test_subnormal_and_zero_scales_agree(dtype):
     assert_matches_oracle(x, t)
 
 
+@pytest.mark.parametrize("four_over_six", [False, True])
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-38, 1e-41])
+def test_capped_encode_scale_agrees(magnitude, four_over_six):
+    # amax below 2688 / FLT_MAX: S_enc is capped and the decode scale is its inverse, 2^-128.
+    x = torch.randn(8, 48, generator=torch.Generator().manual_seed(1)) * magnitude
+    t = fp4stack.quantize(x, four_over_six=four_over_six)
+    scale_max = 256.0 if four_over_six else 448.0
+    assert oracle.global_decode_scale(np.float32(t.amax.item()), scale_max) == np.float32(2.0**-128)
+    assert_matches_oracle(x, t, four_over_six=four_over_six)
+
+
 # ----------------------------------------------------------------------------------------------
 # Four Over Six: the float32 summation order of the squared errors is part of the format (the
 # kernels reproduce it). These inputs were found by searching for blocks whose decision flips

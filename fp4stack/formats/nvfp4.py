@@ -9,13 +9,12 @@ from __future__ import annotations
 import torch
 
 from . import e2m1
+from .global_scale import E4M3_MAX, FLT_MAX, global_decode_scale, global_encode_scale
 from .hadamard import rht
 from .random import draw_seed, uniform
 from .spec import QuantSpec
 from .tensor import BLOCK, NVFP4Tensor, padded_k
 
-FLT_MAX = torch.finfo(torch.float32).max
-E4M3_MAX = 448.0
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -97,13 +96,6 @@ def as_amax(amax: float | torch.Tensor, device: torch.device, check: bool = True
 def _check_amax(amax: float) -> None:
     if not (amax >= 0.0 and amax < float("inf")):
         raise ValueError(f"amax must be finite and >= 0, got {amax}")
-
-
-def global_encode_scale(amax: torch.Tensor, scale_max: float = E4M3_MAX) -> torch.Tensor:
-    """S_enc = (scale_max * 6) / amax, capped at FLT_MAX; 1 where amax == 0 or S_enc == 0."""
-    s = _f32(scale_max * e2m1.E2M1_MAX, amax) / amax
-    s = torch.clamp(s, max=FLT_MAX)
-    return torch.where((amax == 0) | (s == 0), _f32(1.0, amax), s)
 
 
 def block_scale(bmax: torch.Tensor, s_enc: torch.Tensor, target: float) -> torch.Tensor:
@@ -205,7 +197,7 @@ def quantize(
     if spec.four_over_six:
         scales4 = block_scale(bmax, s_enc, 4.0)
         codes4 = _encode(xb, scales4, s_dec, u)
-        dec = amax_t * _f32(1.0 / (spec.scale_max * e2m1.E2M1_MAX), amax_t)
+        dec = global_decode_scale(amax_t, spec.scale_max)
         sq_error = _tile_sq_error if spec.is_2d else _block_sq_error
         use4 = sq_error(xb, codes4, scales4, dec) < sq_error(xb, codes, scales, dec)
         scales = torch.where(use4, scales4.view(torch.uint8), scales.view(torch.uint8))
@@ -228,7 +220,7 @@ def _canonical_nan(scales: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x_hat = e2m1(code) * scale * (amax * (1 / (6 * scale_max))), in float32, then cast to dtype.
+    """x_hat = e2m1(code) * scale * D, in float32, then cast to dtype (D: `t.decode_scale`).
 
     With hadamard=True the result stays in the transformed domain (what a GEMM consumes);
     `fp4stack.rht_inverse` maps it back.

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..files import publish, temp_path
+from .global_scale import global_decode_scale
 from .spec import QuantSpec
 
 BLOCK = 16
@@ -68,10 +69,9 @@ class NVFP4Tensor:
 
     @property
     def decode_scale(self) -> torch.Tensor:
-        """Global decode scale amax * (1 / (6 * scale_max)) (ModelOpt: weights_scaling_factor_2)."""
-        return self.amax * torch.tensor(
-            1.0 / (6.0 * self.spec.scale_max), dtype=torch.float32, device=self.amax.device
-        )
+        """Global decode scale amax * (1 / (6 * scale_max)) (ModelOpt: weights_scaling_factor_2);
+        2^-128 where the encode scale was capped (`global_decode_scale`)."""
+        return global_decode_scale(self.amax, self.spec.scale_max)
 
     @property
     def nbytes(self) -> int:

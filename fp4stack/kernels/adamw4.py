@@ -73,7 +73,6 @@ from .adamw4_layout import (
     VS,
 )
 from .adamw4_tiles import (
-    DEC,
     field,
     keep,
     keys,
@@ -126,7 +125,7 @@ def adamw4_sums_kernel(work_ptr, meta_ptr, grad_ptrs, scal_ptr, sums_ptr, EVEN: 
     gp = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
     beta2 = tl.load(scal_ptr + S_BETA2)
     w2 = tl.load(scal_ptr + S_W2)
-    dec = tl.load(field(meta, VA, tl.float32)) * DEC
+    dec = jit.global_decode(tl.load(field(meta, VA, tl.float32)), 448.0)
     rows = tr * ITERS * BM + tl.arange(0, BM)
     col, eoff, boff, soff = offsets(rows, kbs, K)
     if EVEN:  # no masks (Triton functions cannot return None)
@@ -203,8 +202,8 @@ def adamw4_kernel(
     row_root = field(meta, ROW, tl.float32)
     col_lo, col_hi = pair(field(meta, COL, tl.float32), col, col_ok)
     inv_lo, inv_hi = pair(inv + R, col, col_ok)
-    dec = tl.load(field(meta, VA, tl.float32)) * DEC
-    dec_m = tl.load(field(meta, MA, tl.float32)) * DEC
+    dec = jit.global_decode(tl.load(field(meta, VA, tl.float32)), 448.0)
+    dec_m = jit.global_decode(tl.load(field(meta, MA, tl.float32)), 448.0)
     beta2 = tl.load(scal_ptr + S_BETA2)
     w2 = tl.load(scal_ptr + S_W2)
     headroom = tl.load(scal_ptr + S_HEADROOM)
@@ -220,7 +219,7 @@ def adamw4_kernel(
         step32 = tl.load(iscal_ptr + S_STEP).to(tl.uint32)
         amax_v = tl.load(field(meta, VN, tl.float32))
         amax_m = tl.load(field(meta, MN, tl.float32))
-        dec_v = amax_v * DEC
+        dec_v = jit.global_decode(amax_v, 448.0)
         kv1, kv2 = keys(seed_hash, index, step32, 1)
         km1, km2 = keys(seed_hash, index, step32, 0)
     # Elementwise maxima over the tiles, reduced once after them.

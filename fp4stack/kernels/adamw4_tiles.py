@@ -15,7 +15,6 @@ from . import nvfp4_jit as jit
 from .adamw4_layout import COL_TILES, COLS, NMETA, ROWS, TILE0
 
 _SALT = tl.constexpr(0x9E3779B9)  # formats/random.SEED_SALT
-DEC = tl.constexpr(1.0 / (6.0 * 448.0))  # decode scale per unit of amax: 1 / (E2M1 x E4M3 max)
 _ZERO_SCALE_BOUND = tl.constexpr(12 * 2.0**-10)  # state_transforms._ZERO_SCALE_BOUND
 
 
@@ -62,7 +61,7 @@ def codes(b):
 def values(b_lo, b_hi, sbits, dec):
     """Values of a tile of an NVFP4 tensor as lo, hi half-blocks and its block scales, from its
     packed bytes, block scale bits and decode scale, in formats/nvfp4.dequantize's order:
-    (e2m1 * scale) * (amax * (1 / 2688))."""
+    (e2m1 * scale) * D, D = jit.global_decode(amax, 448)."""
     s = jit.e4m3_value(sbits.to(tl.int32))[:, :, None]
     lo = (jit.e2m1_value(codes(b_lo)) * s) * dec
     hi = (jit.e2m1_value(codes(b_hi)) * s) * dec

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from . import cdiv
-from .attention_common import INV_RANGE, Tile, check_tile
+from . import nvfp4_jit as jit
+from .attention_common import SCALE_MAX, Tile, check_tile
 from .attention_units import quantize_operands, unit_values
 from .nvfp4 import _launch_options
 
@@ -84,13 +85,13 @@ def key_range(pid_m, S, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL:
 @triton.jit
 def score_factors(amax_ptr, scale):
     """(q_dec, k_dec, qk_scale, v_dec) from the global amaxes [q, k, v]: each tensor's decode
-    factor amax / (6 * 448), and the one applied to Q̂ K̂ᵀ dots with the softmax scale. Every
-    kernel takes them from here, computed in one order, so the backward's P is the forward's
-    bit for bit."""
-    q_dec = tl.load(amax_ptr) * INV_RANGE
-    k_dec = tl.load(amax_ptr + 1) * INV_RANGE
+    factor (jit.global_decode: amax / (6 * 448)), and the one applied to Q̂ K̂ᵀ dots with the
+    softmax scale. Every kernel takes them from here, computed in one order, so the backward's
+    P is the forward's bit for bit."""
+    q_dec = jit.global_decode(tl.load(amax_ptr), SCALE_MAX)
+    k_dec = jit.global_decode(tl.load(amax_ptr + 1), SCALE_MAX)
     qk_scale = q_dec * k_dec * scale
-    v_dec = tl.load(amax_ptr + 2) * INV_RANGE
+    v_dec = jit.global_decode(tl.load(amax_ptr + 2), SCALE_MAX)
     return q_dec, k_dec, qk_scale, v_dec
 
 

@@ -29,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.global_scale import global_decode_scale
 from . import cdiv
 from . import nvfp4_jit as jit
 from .attention import key_range, key_tile_scores, mma_type, query_tile, score_factors
-from .attention_common import INV_RANGE, SCALE_MAX, Tile
+from .attention_common import SCALE_MAX, Tile
 from .attention_units import quantize_tile
 from .nvfp4 import _launch_options
 
@@ -67,7 +68,7 @@ def ds_factors(amax_ptr, QUANT_DS: tl.constexpr):
     # A constexpr if statement (not a ternary): what every Triton version resolves at compile
     # time, so the default config's kernels are unchanged.
     if QUANT_DS:  # noqa: SIM108
-        ds_dec = ds_amax * INV_RANGE
+        ds_dec = jit.global_decode(ds_amax, SCALE_MAX)
     else:
         ds_dec = 1.0
     return ds_amax, ds_dec
@@ -342,8 +343,8 @@ def backward_units(do, qu, ku, vu, out, lse, amax, causal: bool, scale: float,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, DQ=True, DEBUG=debug, **common,
             num_warps=t.num_warps, num_stages=t.num_stages)
     else:  # the global factors, as query_kernel applies them
-        factor = amax[1] * (1.0 / (SCALE_MAX * 6.0))
+        factor = global_decode_scale(amax[1], SCALE_MAX)
         if quant_ds:
-            factor = ds_amax * (1.0 / (SCALE_MAX * 6.0)) * factor
+            factor = global_decode_scale(ds_amax, SCALE_MAX) * factor
         dq = (dq_acc * (factor * scale)).to(qu.dtype)
     return dq, dk, dv, ds_amax, (dbg if debug else None)

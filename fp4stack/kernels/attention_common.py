@@ -1,4 +1,4 @@
-"""What the attention kernels' modules share: the launch tile and the NVFP4 scale constants.
+"""What the attention kernels' modules share: the launch tile and the E4M3 scale maximum.
 
 attention.py (forward), attention_units.py (operands) and attention_bwd.py (backward) import
 from here, so none of them imports another one back.
@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton.language as tl
-
 from ..formats.spec import QuantSpec
 
 SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
-INV_RANGE = tl.constexpr(1.0 / (SCALE_MAX * 6.0))  # global decode factor = amax * INV_RANGE
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.global_scale import global_decode_scale
 from ..formats.random import seed_keys
 from . import cdiv
 from . import nvfp4_jit as jit
-from .attention_common import INV_RANGE, SCALE_MAX, Tile
+from .attention_common import SCALE_MAX, Tile
 from .nvfp4 import _int32, _launch_options
 
 
@@ -59,7 +60,7 @@ def quantize_tile(x, amax, BLOCK_AXIS: tl.constexpr, SCALE_MAX: tl.constexpr, u,
         units = jit.e2m1_value(jit.e2m1_stochastic(xb * enc, tl.reshape(u, xb.shape))) * s
     else:
         units = jit.e2m1_rne_value(xb * enc) * s
-    return tl.reshape(units, (R, C)), amax * INV_RANGE
+    return tl.reshape(units, (R, C)), jit.global_decode(amax, SCALE_MAX)
 
 
 @triton.jit
@@ -140,6 +141,6 @@ def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile,
 
 
 def unit_values(units: torch.Tensor, amax: torch.Tensor, i: int) -> torch.Tensor:
-    """The fp32 values of tensor i's units: units times its global decode factor amax[i] /
-    2688, multiplied as the quantize kernels do (so, bit for bit, the reference's values)."""
-    return units.float() * (amax[i] * (1.0 / (SCALE_MAX * 6.0)))
+    """The fp32 values of tensor i's units: units times its global decode factor (amax[i] /
+    2688), multiplied as the quantize kernels do (so, bit for bit, the reference's values)."""
+    return units.float() * global_decode_scale(amax[i], SCALE_MAX)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+CAPPED_DECODE = tl.constexpr(2.0**-128)  # fl32(1 / FLT_MAX)
 
 
 @triton.jit
@@ -209,6 +210,14 @@ def global_scales(amax, SCALE_MAX: tl.constexpr):
 
 
 @triton.jit
+def global_decode(amax, SCALE_MAX: tl.constexpr):
+    """D from the global amax, as formats/global_scale.global_decode_scale: amax times
+    fl(1 / (6 * SCALE_MAX)), or 2^-128 (= 1 / FLT_MAX) where S_enc was capped."""
+    capped = (amax > 0) & (tl.math.div_rn(SCALE_MAX * 6.0, amax) > FLT_MAX)
+    return tl.where(capped, CAPPED_DECODE, amax * (1.0 / (SCALE_MAX * 6.0)))
+
+
+@triton.jit
 def block_scale_bits(bmax, s_enc, INV_TARGET: tl.constexpr):
     return e4m3_bits(min_nan(bmax * (s_enc * INV_TARGET), 448.0))
 
@@ -374,7 +383,7 @@ def quantize_kernel(
         code_lo = round_half(lo * enc, u_lo, STOCHASTIC)
         code_hi = round_half(hi * enc, u_hi, STOCHASTIC)
         if FOUR_OVER_SIX:
-            dec = amax * (1.0 / (SCALE_MAX * 6.0))
+            dec = global_decode(amax, SCALE_MAX)
             sbits4 = block_scale_bits(bmax, s_enc, 0.25)
             enc4 = encode_factor(sbits4, s_dec)[:, :, None]
             code4_lo = round_half(lo * enc4, u_lo, STOCHASTIC)
@@ -389,7 +398,7 @@ def quantize_kernel(
 
     row_off = (b * M + rows.to(tl.int64))[:, None, None]
     if FAKE:
-        dec = amax * (1.0 / (SCALE_MAX * 6.0))
+        dec = global_decode(amax, SCALE_MAX)
         s = e4m3_value(sbits)[:, :, None]
         col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
         tl.store(out_ptr + row_off * K + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo)
@@ -420,7 +429,7 @@ def pack_pairs(codes):
 @triton.jit
 def dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, K, KP,
                       BM: tl.constexpr, BK: tl.constexpr, SCALE_MAX: tl.constexpr):
-    """out [R, K] = e2m1(code) * scale * (amax * (1 / (6 * SCALE_MAX)))."""
+    """out [R, K] = e2m1(code) * scale * D (D: global_decode of the amax)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     KB: tl.constexpr = BK // 16
     rows = pid_m * BM + tl.arange(0, BM)
@@ -433,7 +442,7 @@ def dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, K, KP,
     scols = pid_k * KB + tl.arange(0, KB)
     smask = (rows < R)[:, None] & (scols < KP // 16)[None, :]
     sbits = tl.load(scale_ptr + row_off * (KP // 16) + scols[None, :], mask=smask, other=0)
-    dec = tl.load(amax_ptr) * (1.0 / (SCALE_MAX * 6.0))
+    dec = global_decode(tl.load(amax_ptr), SCALE_MAX)
     xh = e2m1_value(codes) * e4m3_value(sbits.to(tl.int32))[:, :, None] * dec
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows < R)[:, None] & (cols < K)[None, :]

@@ -68,7 +68,7 @@ def _operand(x: Tensor, spec: QuantSpec, reduce_dim: int) -> Operand:
     # fp32) gives the units; the operand's values are those of fake_quantize bit for bit.
     full_range = 6.0 * spec.scale_max
     units = dequantize(dataclasses.replace(q, amax=torch.full_like(q.amax, full_range)))
-    return Operand(units, q.amax * (1.0 / full_range))
+    return Operand(units, q.decode_scale)
 
 
 @contextlib.contextmanager

@@ -18,23 +18,25 @@ E4M3_MAX = 448.0
 CAPPED_DECODE = 2.0**-128  # fl32(1 / FLT_MAX), exactly: the decode scale of a capped S_enc
 
 
-def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.float32, device=like.device)
+def _range(amax: torch.Tensor, scale_max: float) -> torch.Tensor:
+    # scale_max * 6 as a float32 tensor beside amax. full_like fills on the device (no copy from
+    # the host), so these functions can run inside a CUDA graph capture.
+    return torch.full_like(amax, scale_max * E2M1_MAX, dtype=torch.float32)
 
 
 def global_encode_scale(amax: torch.Tensor, scale_max: float = E4M3_MAX) -> torch.Tensor:
     """S_enc = (scale_max * 6) / amax, capped at FLT_MAX; 1 where amax == 0 or S_enc == 0."""
-    s = _f32(scale_max * E2M1_MAX, amax) / amax
-    s = torch.clamp(s, max=FLT_MAX)
-    return torch.where((amax == 0) | (s == 0), _f32(1.0, amax), s)
+    s = torch.clamp(_range(amax, scale_max) / amax, max=FLT_MAX)
+    return torch.where((amax == 0) | (s == 0), 1.0, s)
 
 
 def encode_was_capped(amax: torch.Tensor, scale_max: float = E4M3_MAX) -> torch.Tensor:
     """Whether (scale_max * 6) / amax overflows float32, so S_enc is FLT_MAX and not its value."""
-    return (amax > 0) & (_f32(scale_max * E2M1_MAX, amax) / amax > FLT_MAX)
+    return (amax > 0) & (_range(amax, scale_max) / amax > FLT_MAX)
 
 
 def global_decode_scale(amax: torch.Tensor, scale_max: float = E4M3_MAX) -> torch.Tensor:
     """D = amax * (1 / (6 * scale_max)), or 2^-128 (= 1 / FLT_MAX) where S_enc was capped."""
-    dec = amax * _f32(1.0 / (scale_max * E2M1_MAX), amax)
-    return torch.where(encode_was_capped(amax, scale_max), _f32(CAPPED_DECODE, amax), dec)
+    # A Python float multiplies a float32 tensor as float32: amax * fl32(1 / (6 * scale_max)).
+    dec = amax * (1.0 / (scale_max * E2M1_MAX))
+    return torch.where(encode_was_capped(amax, scale_max), CAPPED_DECODE, dec)

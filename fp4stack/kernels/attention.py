@@ -27,7 +27,7 @@ import triton.language as tl
 
 from . import cdiv
 from . import nvfp4_jit as jit
-from .attention_common import SCALE_MAX, Tile, check_tile
+from .attention_common import E4M3_RANGE, Tile, check_tile
 from .attention_units import quantize_operands, unit_values
 from .nvfp4 import _launch_options
 
@@ -88,10 +88,10 @@ def score_factors(amax_ptr, scale):
     factor (jit.global_decode: amax / (6 * 448)), and the one applied to Q̂ K̂ᵀ dots with the
     softmax scale. Every kernel takes them from here, computed in one order, so the backward's
     P is the forward's bit for bit."""
-    q_dec = jit.global_decode(tl.load(amax_ptr), SCALE_MAX)
-    k_dec = jit.global_decode(tl.load(amax_ptr + 1), SCALE_MAX)
+    q_dec = jit.global_decode(tl.load(amax_ptr), E4M3_RANGE)
+    k_dec = jit.global_decode(tl.load(amax_ptr + 1), E4M3_RANGE)
     qk_scale = q_dec * k_dec * scale
-    v_dec = jit.global_decode(tl.load(amax_ptr + 2), SCALE_MAX)
+    v_dec = jit.global_decode(tl.load(amax_ptr + 2), E4M3_RANGE)
     return q_dec, k_dec, qk_scale, v_dec
 
 

@@ -33,7 +33,7 @@ from ..formats.global_scale import global_decode_scale
 from . import cdiv
 from . import nvfp4_jit as jit
 from .attention import key_range, key_tile_scores, mma_type, query_tile, score_factors
-from .attention_common import SCALE_MAX, Tile
+from .attention_common import E4M3_RANGE, SCALE_MAX, Tile
 from .attention_units import quantize_tile
 from .nvfp4 import _launch_options
 
@@ -68,7 +68,7 @@ def ds_factors(amax_ptr, QUANT_DS: tl.constexpr):
     # A constexpr if statement (not a ternary): what every Triton version resolves at compile
     # time, so the default config's kernels are unchanged.
     if QUANT_DS:  # noqa: SIM108
-        ds_dec = jit.global_decode(ds_amax, SCALE_MAX)
+        ds_dec = jit.global_decode(ds_amax, E4M3_RANGE)
     else:
         ds_dec = 1.0
     return ds_amax, ds_dec

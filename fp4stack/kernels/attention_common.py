@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import triton.language as tl
+
 from ..formats.spec import QuantSpec
 
 SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
+E4M3_RANGE = tl.constexpr(SCALE_MAX)  # the same for @triton.jit code: its globals are constexpr
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,24 @@ def test_native_gemm_is_the_emulated_one_up_to_bf16_rounding(m):
     exact = xh.double() @ wh.double().t()
     bound = 2.0**-7 * (xh.abs().double() @ wh.abs().double().t()) + 2.0**-8 * exact.abs()
     assert ((got.double() - exact).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_w8a8_layer_uses_the_native_gemm_and_follows_weight_updates():
+    from fp4stack.nn.linear import QuantLinear, native_fp8_ok
+
+    if not native_block_fp8(0):
+        pytest.skip("this torch has no block-scaled FP8 scaled_mm")
+    layer = QuantLinear(256, 128, bias=False, recipe="w8a8").cuda().bfloat16()
+    layer.requires_grad_(False)
+    x = randn(8, 256).cuda().bfloat16()
+    assert native_fp8_ok(x, layer)
+    first = layer(x)
+    assert torch.equal(first, fp8_linear(x, fp8_weight(layer.weight)))
+    cached = layer.fp8_weight()
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # an in-place update, as a weight sync does
+    layer.refresh_inference_cache()
+    assert layer.fp8_weight() is cached  # refreshed in place: a captured graph keeps reading it
+    assert torch.equal(layer(x), fp8_linear(x, fp8_weight(layer.weight)))
+    assert not torch.equal(layer(x), first)

@@ -189,6 +189,13 @@ class Attention(nn.Module):
         """
         if self.n_kv_heads != self.n_heads:  # query head h reads K/V head h // rep (HF repeat_kv)
             rep = self.n_heads // self.n_kv_heads
+            B, H, S, hd = q.shape
+            if S == 1 and mask is not None and mask.dim() == 4 and mask.shape[1] == 1:
+                # Decoding: a K/V head's rep query heads are rep queries of one position, with
+                # one mask; no copy of the whole cache per step (rep times its size).
+                y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv_heads, rep, hd), k, v,
+                                                   attn_mask=mask)
+                return y.reshape(B, H, 1, hd)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -225,7 +232,8 @@ class Block(nn.Module):
                 mask: Tensor | None = None, real: Tensor | None = None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         h = self.post_attention_layernorm(x)
-        if real is None or not isinstance(self.mlp, MoEBlock):
+        # Without grad the aux loss is not needed: skip its recount, which syncs with the host.
+        if real is None or not isinstance(self.mlp, MoEBlock) or not torch.is_grad_enabled():
             return x + self.mlp(h)
         return x + _moe_real_tokens_aux_loss(self.mlp, h, real)
 
@@ -292,6 +300,23 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real)
         return self.norm(x)
 
+    def forward_at(self, idx: Tensor, positions: Tensor, mask: Tensor, caches: list,
+                   rows: Tensor | None = None) -> Tensor:
+        """Final hidden states [B, S, D] of idx [B, S] at the RoPE positions [B, S] given,
+        attending as the "may attend" mask [B, 1, S, L] says over the L columns of fixed-size
+        caches (models.static_cache): decoding with static shapes, no host value involved.
+
+        rows [B] bool: rows marked False run on zero hidden states, which every block maps to
+        zero (no biases; RMSNorm, attention, SwiGLU, experts and quantizers keep 0 at 0), so a
+        batch padded with such rows quantizes its real rows with the same amaxes."""
+        cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
+        x = self.embed_tokens(idx)
+        if rows is not None:
+            x = torch.where(rows[:, None, None], x, 0)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, cos, sin, cache, mask)
+        return self.norm(x)
+
 
 class GPT(KeepsAuxLoss):
     """Decoder-only LM. forward(idx [B, S], targets [B, S] | None) -> (logits [B, S, V], loss)."""
@@ -329,17 +354,26 @@ class GPT(KeepsAuxLoss):
 
         attention_mask [B, L] (bool or 0/1) marks real tokens (1) and padding (0) over all L =
         cached + S positions; pass the grown mask at every decoding step. Logits at pad positions
-        are meaningless: give them target -100. The MoE aux loss counts real tokens only.
+        are meaningless: give them target -100. The MoE aux loss counts real tokens only (with
+        grad enabled; without, it is over every token, or None where blocks skip it).
         """
         logits = self.lm_head(self.model(idx, kv_caches, attention_mask))
-        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
-        self.aux_loss = torch.stack([m.aux_loss for m in moe]).sum() if moe else None
+        # A block computes no aux loss when no gradient is needed (it would sync with the host).
+        aux = [layer.mlp.aux_loss for layer in self.model.layers
+               if isinstance(layer.mlp, MoEBlock) and layer.mlp.aux_loss is not None]
+        self.aux_loss = torch.stack(aux).sum() if aux else None
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         if self.aux_loss is not None:
             loss = loss + self.config.aux_loss_coef * self.aux_loss
         return logits, loss
+
+    def forward_at(self, idx: Tensor, positions: Tensor, mask: Tensor, caches: list,
+                   rows: Tensor | None = None) -> Tensor:
+        """Logits [B, S, V] of a static-shape decoding step (see Transformer.forward_at); the
+        MoE aux loss is not collected."""
+        return self.lm_head(self.model.forward_at(idx, positions, mask, caches, rows))
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count (tied weights once); active=True counts only top_k of the experts."""

@@ -3,18 +3,25 @@
 On hardware without FP4 tensor cores the GEMMs are emulated: each operand is quantized and
 dequantized (bit-exact NVFP4 values) and multiplied in the input's dtype. Operands the backward
 needs are quantized once, in the forward, from the unquantized tensors, and saved; the backward
-never re-quantizes a quantized tensor.
+never re-quantizes a quantized tensor. A packed layer's inference on CUDA (no gradient wanted)
+is one fused kernel instead (`quantized_inference_linear`): the weight is dequantized in
+registers from its packed bytes, to the same values, and nothing syncs with the host.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..api import dequantize, fake_quantize, quantize
+from .. import kernels
+from ..api import backend_for, dequantize, fake_quantize, quantize
+from ..formats.fp8 import FP8Tensor
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
+from ..kernels.fp8_gemm import fp8_linear, fp8_weight
 from . import compensation as rc
 from .fused import shared_amax
 from .lowrank import lowrank_factors
@@ -23,6 +30,10 @@ from .recipe import Recipe
 from .recipe import recipe as get_recipe
 
 _BLOCK = 16
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Tests set this to run the fused inference kernels on CPU tensors (under the Triton
+# interpreter); CUDA tensors take them whenever `fused_inference_ok` holds.
+_FUSED_ON_CPU = False
 
 
 def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
@@ -119,6 +130,72 @@ def _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels, 
         channels = rc.top_channels(residual, qw, cfg.count(x2.shape[-1]))
     y = qx @ qw.t() + rc.correction(residual, qw, channels)
     return y + bias if bias is not None else y
+
+
+def fused_inference_ok(x: torch.Tensor, module: nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether `module` may run its fused inference kernels on x: Triton is the backend for x's
+    device (CUDA; FP4STACK_BACKEND=reference turns them off), x is float32, bf16 or fp16, and
+    no gradient is wanted (grad mode off, or neither x, `tensors` nor a parameter needs one)."""
+    if x.dtype not in _FUSED_DTYPES or not kernels.available():
+        return False
+    if not (x.is_cuda and backend_for(x.device) == "triton") and not (
+            _FUSED_ON_CPU and not x.is_cuda):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(t.requires_grad for t in (x, *tensors, *module.parameters()))
+
+
+def native_fp8_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
+    """Whether `layer` runs its w8a8 GEMM natively (kernels.fp8_gemm): both operands FP8 with
+    1x128 blocks, a master weight, BF16 inputs on CUDA, nothing else in the recipe, no grad."""
+    r = layer.recipe
+    fp8 = [s is not None and s.format == "fp8" and s.fp8_granularity == "block128"
+           for s in (r.x, r.w)]
+    return (all(fp8) and layer.weight is not None and x.dtype == torch.bfloat16 and x.is_cuda
+            and layer._calibration is None and r.lowrank is None and r.compensation is None
+            and fused_inference_ok(x, layer))
+
+
+def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """y = Q(x2) Q(W)ᵀ + b for a packed layer, as one fused kernel reading the packed weight
+    (`kernels.packed_gemm.packed_linear`), with the layer's recipe and no host sync.
+
+    Q(x) is the recipe's x spec with nan_policy="propagate" (a NaN reaches the outputs), with the
+    layer's calibrated x_amax when the recipe's activation amax is static. Residual compensation
+    (QUADS) is the same single GEMM: Q(x)Q(W)ᵀ + (x - Q(x))[:, C] Q(W)[:, C]ᵀ = x~ Q(W)ᵀ, x~ being
+    Q(x) with the columns C put back to x's own; C is rc_channels (static mode, calibrated) or
+    the top channels by residual energy, picked on the device.
+    """
+    from ..kernels.packed_gemm import packed_linear
+
+    recipe = layer.recipe
+    spec = recipe.x
+    if spec.format != "none" and spec.nan_policy != "propagate":
+        spec = replace(spec, nan_policy="propagate")  # a check would read the device back
+    x_amax = layer.x_amax if recipe.activation_amax == "static" else None
+    dtype = _compute_dtype(x2)
+    cfg = recipe.compensation
+    if cfg is None:
+        a = quantize_operand(x2, spec, x_amax, dtype=dtype)
+        return packed_linear(a, layer.packed_weight, layer.bias)
+    # As _compensated: Q(x) and the residual in x's dtype, the GEMM in the compute dtype.
+    qx = quantize_operand(x2, spec, x_amax)
+    channels = layer.rc_channels if cfg.mode == "static" else None
+    if channels is None:
+        energy = (x2 - qx).float().pow(2).sum(0) * layer.qweight_column_sq_norms(x2.dtype)
+        channels = torch.topk(energy, cfg.count(x2.shape[-1])).indices
+    return packed_linear(torch.where(channel_mask(channels, x2.shape[-1]), x2, qx).to(dtype),
+                         layer.packed_weight, layer.bias)
+
+
+def channel_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [k], True at `channels` (distinct indices), by searchsorted: no scatter (which
+    deterministic mode refuses on CUDA) and no host sync."""
+    chosen = channels.long().sort().values
+    cols = torch.arange(k, device=channels.device)
+    pos = torch.searchsorted(chosen, cols).clamp(max=max(chosen.numel() - 1, 0))
+    return chosen[pos] == cols if chosen.numel() else torch.zeros_like(cols, dtype=torch.bool)
 
 
 class QuantLinear(PackedState, nn.Module):
@@ -218,18 +295,39 @@ class QuantLinear(PackedState, nn.Module):
         self.lowrank_b.copy_(b)
 
     # ---- forward -------------------------------------------------------------------------
+    def qweight_column_sq_norms(self, dtype: torch.dtype) -> torch.Tensor:
+        """float32 [K]: ||Q(W)[:, c]||² of the packed weight read in `dtype`, for residual
+        compensation's channel energy. Read from the packed bytes by one kernel; kept while the
+        packed buffers are unchanged (their version counters), recomputed inside a CUDA-graph
+        capture so that a replay after a weight sync sees the new weight."""
+        from ..kernels.packed_gemm import column_sq_norms
+
+        w = self.packed_weight
+        parts = (w.data, w.scales, w.amax)
+        capturing = w.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        try:
+            key = (dtype, *((t.data_ptr(), t._version) for t in parts))
+        except RuntimeError:  # inference tensors keep no version counter: no cache
+            key = None
+        cached = vars(self).get("_column_norms")
+        if not capturing and key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        norms = column_sq_norms(w, dtype)
+        if not capturing and key is not None:
+            vars(self)["_column_norms"] = (key, norms)
+        return norms
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self.recipe
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        packed = dequantize(self.packed_weight, x.dtype) if self.weight is None else None
-        x_amax = self.x_amax if recipe.activation_amax == "static" else None
-        if self._calibration is not None:
-            self._calibration["amax"] = torch.maximum(self._calibration["amax"],
-                                                      x2.detach().abs().amax().float().cpu())
-        y = quant_linear(x2, self.weight, self.bias, recipe, packed=packed, x_amax=x_amax,
-                         w_amax=self.shared_weight_amax(), rc_channels=self.rc_channels,
-                         calibration=self._calibration)
+        if (self.weight is None and self._calibration is None
+                and fused_inference_ok(x, self)):
+            y = quantized_inference_linear(x2, self)
+        elif native_fp8_ok(x, self):
+            y = fp8_linear(x2, self.fp8_weight(), self.bias)
+        else:
+            y = self._reference_forward(x2)
         if recipe.lowrank is not None:
             # Refresh before use: an in-place refresh after it would modify factors this
             # forward saved for its backward (autograd's "modified by an inplace operation").
@@ -237,6 +335,39 @@ class QuantLinear(PackedState, nn.Module):
             a, b = self.lowrank_a.to(x.dtype), self.lowrank_b.to(x.dtype)
             y = y + (x2 @ a.t()) @ b.t()
         return y.reshape(*lead, self.out_features)
+
+    @torch.no_grad()
+    def fp8_weight(self) -> FP8Tensor:
+        """The master weight as the w8a8 GEMM's FP8 operand, cached; re-quantized in place when
+        the weight changed (its version counter), so a captured CUDA graph keeps reading it."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        cached = getattr(self, "_fp8_cache", None)
+        if cached is None or cached[0] != key:
+            q = fp8_weight(self.weight)
+            if cached is not None and cached[1].data.shape == q.data.shape:
+                cached[1].data.copy_(q.data)
+                cached[1].scale.copy_(q.scale)
+                q = cached[1]
+            self._fp8_cache = (key, q)
+        return self._fp8_cache[1]
+
+    def refresh_inference_cache(self) -> None:
+        """Bring cached inference operands up to date with the weights (called by rollout
+        engines after a weight sync, since a CUDA-graph replay never runs forward)."""
+        if getattr(self, "_fp8_cache", None) is not None:
+            self.fp8_weight()
+
+    def _reference_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        # Training, calibration and CPU: the packed weight dequantized, then quant_linear.
+        recipe = self.recipe
+        packed = dequantize(self.packed_weight, x2.dtype) if self.weight is None else None
+        x_amax = self.x_amax if recipe.activation_amax == "static" else None
+        if self._calibration is not None:
+            self._calibration["amax"] = torch.maximum(self._calibration["amax"],
+                                                      x2.detach().abs().amax().float().cpu())
+        return quant_linear(x2, self.weight, self.bias, recipe, packed=packed, x_amax=x_amax,
+                            w_amax=self.shared_weight_amax(), rc_channels=self.rc_channels,
+                            calibration=self._calibration)
 
     def _maybe_refresh(self) -> None:
         if not (self.training and _refreshes(self.recipe)):

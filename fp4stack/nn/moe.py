@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear import fused_inference_ok
+
 
 def load_balance_loss(logits: Tensor, indices: Tensor, n_experts: int) -> Tensor:
     """Switch/Mixtral auxiliary loss E * sum_e f_e * P_e.
@@ -97,8 +99,30 @@ class Experts(nn.Module):
             return F.linear(x, self.down_proj[expert])
         raise ValueError(f"which must be 'gate_up' or 'down', got {which!r}")
 
+    def grouped_operands(self) -> tuple | None:
+        """(gate_up, down, x_spec) for the grouped kernels (`kernels.moe_align.grouped_mlp`), or
+        None where only the per-expert loop computes this module's experts."""
+        return self.gate_up_proj, self.down_proj, None
+
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        """x [T, D], routing weights and indices [T, k] -> sum_j weights[:, j] * expert_j(x)."""
+        """x [T, D], routing weights and indices [T, k] -> sum_j weights[:, j] * expert_j(x).
+
+        Without gradients on CUDA, all experts run in two grouped launches with no host sync
+        (`kernels.moe_align.grouped_mlp`); otherwise, and as its reference, one expert at a
+        time."""
+        if fused_inference_ok(x, self, weights):
+            operands = self.grouped_operands()
+            if operands is not None:
+                from ..kernels.moe_align import grouped_mlp
+
+                dtype = (torch.get_autocast_dtype(x.device.type)
+                         if torch.is_autocast_enabled(x.device.type) else x.dtype)
+                return grouped_mlp(x, weights, indices, *operands, dtype=dtype).to(x.dtype)
+        return self.loop_forward(x, weights, indices)
+
+    def loop_forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """The reference: each expert's GEMMs on its own tokens through `expert_linear`, the k
+        outputs of a token summed in float32 in increasing expert order."""
         k = indices.shape[1]
         flat = indices.flatten()
         order = flat.argsort(stable=True)  # token slots grouped by expert
@@ -156,7 +180,10 @@ class MoEBlock(KeepsAuxLoss):
                                  f"this forward needs {(*lead, k)}")
             forced = self.replay_indices.reshape(-1, k).to(x.device, torch.long)
         weights, indices, logits = self.router(flat, forced)
-        self.aux_loss = load_balance_loss(logits, indices, self.router.n_experts)
+        # Only training needs the aux loss, and its bincount reads the device back: inference
+        # (grad mode off) leaves None, so a forward has no host sync.
+        self.aux_loss = (load_balance_loss(logits, indices, self.router.n_experts)
+                         if torch.is_grad_enabled() else None)
         if self._recorded is not None:
             self._recorded.append(indices.detach().reshape(*lead, k))
         return self.experts(flat, weights, indices).reshape(x.shape)

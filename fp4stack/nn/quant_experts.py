@@ -48,6 +48,30 @@ class ExpertQuantization(PackedState):
         """Expert `e`'s packed weight of projection `proj` ("gate_up" or "down")."""
         return self.read_packed(proj, e)
 
+    def packed_stack(self, proj: str):
+        """Projection `proj`'s packed weights as one `kernels.packed_gemm.PackedExperts`."""
+        from ..kernels.packed_gemm import PackedExperts
+
+        slot = self.packed_slots()[proj]
+        data, scales, amax = (getattr(self, key) for key in slot.keys)
+        return PackedExperts(data, scales, amax, slot.shape[-1], slot.spec)
+
+    def grouped_operands(self) -> tuple | None:
+        """(gate_up, down, x_spec) for the grouped kernels when the weights are packed and the
+        recipe's activations are unquantized or NVFP4 1x16 round-to-nearest (each expert's rows
+        with their own amax, as the loop); None otherwise (master weights, FP8, stochastic
+        rounding or 16x16 activations), which keeps the per-expert loop."""
+        if getattr(self, "gate_up_proj", None) is not None:
+            return None
+        from ..kernels.packed_gemm import rows_fake_quantize_supported
+
+        spec = self.recipe.x
+        if spec.format == "none":
+            spec = None
+        elif not rows_fake_quantize_supported(spec):
+            return None
+        return self.packed_stack("gate_up"), self.packed_stack("down"), spec
+
     def quant_expert_linear(self, x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
         w = getattr(self, f"{proj}_proj")
         if w is None:

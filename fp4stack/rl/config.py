@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config_fields import check_float, check_int, check_keys, read_yaml
+from .fast_rollout import ENGINES
 from .rollout import PRECISIONS
 
 TRAINERS = ("bf16", "qat-w")
@@ -32,6 +33,9 @@ class RLConfig:
     rollout: str = "quads"  # bf16, fp8, nvfp4, quads
     compensation: float = 0.05  # quads: fraction of input channels compensated
     logprobs: str = "score"  # the engine's log-probs: "score" (one forward) or "sample"
+    # engine: "fast" (static KV cache, CUDA-graph decoding, device sampling; fp4stack GPT
+    # policies only), "reference" (RolloutEngine, eager) or "auto": fast on CUDA for GPT policies
+    engine: str = "auto"
     trainer: str = "qat-w"  # bf16 or qat-w
     correction: str = "none"  # rollout correction: none, token-tis, token-mis, seq-tis, seq-mis
     correction_cap: float = 2.0
@@ -70,7 +74,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         choices = {"rollout": tuple(PRECISIONS), "trainer": TRAINERS, "correction": CORRECTIONS,
-                   "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample")}
+                   "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample"), "engine": ENGINES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got "
@@ -95,6 +99,13 @@ class RLConfig:
             raise ValueError("policy must be a mapping with a kind: gpt, smollm2 or hf")
         if self.policy["kind"] not in ("gpt", "smollm2", "hf"):
             raise ValueError(f"policy.kind must be gpt, smollm2 or hf, got {self.policy['kind']!r}")
+        if self.engine == "fast" and self.policy["kind"] != "gpt":
+            raise ValueError(f"engine 'fast' runs fp4stack GPT policies only, not policy.kind "
+                             f"{self.policy['kind']!r}: set engine: reference (or auto)")
+        if self.engine == "fast" and self.routing_replay and self.logprobs == "sample":
+            raise ValueError("engine 'fast' records MoE routing from the scoring forward only: "
+                             "routing_replay with logprobs: sample needs engine: reference (or "
+                             "logprobs: score)")
         if self.upcycle is not None and set(self.upcycle) - {"n_experts", "top_k"}:
             raise ValueError("upcycle takes n_experts and top_k, got "
                              f"{sorted(self.upcycle)}")

@@ -140,6 +140,10 @@ class RolloutEngine:
     def sync(self, trainer: nn.Module) -> int:
         """Refit from `trainer` and self-check; returns the number of tensors verified."""
         checked = load_weights(self.model, export_weights(trainer, self.model, self.amax_groups))
+        for module in self.model.modules():  # e.g. a cached FP8 weight a captured graph reads
+            refresh = getattr(module, "refresh_inference_cache", None)
+            if refresh is not None:
+                refresh()
         self.syncs += 1
         return checked
 
@@ -179,8 +183,16 @@ class RolloutEngine:
                     break
                 mask = torch.cat((mask, alive[-1][:, None]), dim=1)  # EOS itself is real
                 logits = lm.step(self.model, nxt[:, None], mask, cache)[:, -1]
-        response_mask = torch.stack(alive, dim=1)
-        full_tokens = torch.cat((tokens, torch.stack(new, dim=1)), dim=1)
+        return self._rollout(tokens, prompt_mask, torch.stack(new, dim=1),
+                             torch.stack(alive, dim=1), torch.stack(new_lp, dim=1), record,
+                             decode_routing)
+
+    def _rollout(self, tokens: Tensor, prompt_mask: Tensor, new: Tensor, response_mask: Tensor,
+                 new_lp: Tensor, record: bool, decode_routing: dict[str, Tensor] | None = None
+                 ) -> Rollout:
+        """The Rollout of prompts `tokens` [B, P] and the decoded `new` [B, W] (response_mask,
+        and the decoding steps' log-probs new_lp, [B, W]): scored here when logprobs="score"."""
+        full_tokens = torch.cat((tokens, new), dim=1)
         resp = torch.cat((torch.zeros_like(prompt_mask), response_mask), dim=1)
         full_mask = torch.cat((prompt_mask, response_mask), dim=1)
         routing = None
@@ -190,10 +202,10 @@ class RolloutEngine:
                                              self.temperature or 1.0)
             routing = score_routing if record else None
         else:
-            logprobs = torch.cat((torch.zeros(tokens.shape, device=tokens.device),
-                                  torch.stack(new_lp, dim=1)), dim=1)
+            logprobs = torch.cat((torch.zeros(tokens.shape, device=tokens.device), new_lp),
+                                 dim=1)
             if record and decode_routing:  # the last token was never fed: repeat its column
                 routing = {k: torch.cat((v, v[..., -1:, :]), dim=-2)
                            for k, v in decode_routing.items()}
         logprobs = logprobs.masked_fill(~resp, 0.0)
-        return Rollout(full_tokens, full_mask, resp, logprobs, P, routing or None)
+        return Rollout(full_tokens, full_mask, resp, logprobs, tokens.shape[1], routing or None)

@@ -28,6 +28,7 @@ from ..nn.moe import replay_routing
 from ..train.metrics import MetricsLogger
 from . import policy as lm
 from .config import RLConfig
+from .fast_rollout import FastRolloutEngine, build_engine
 from .grpo_loss import group_advantages, grpo_loss, rollout_correction
 from .metrics import MismatchAlarm, mismatch_metrics
 from .policies import build_policy, encode_example, sft_warmup
@@ -170,9 +171,10 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     task = load_task(cfg.task, **cfg.task_options)
     base, tokenizer = prepare_policy(cfg, task, device, Path(cache_dir) if cache_dir else out, log)
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    engine = RolloutEngine(base, tokenizer, cfg.rollout, temperature=cfg.temperature,
-                           top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                           logprobs=cfg.logprobs, compensation=cfg.compensation, dtype=dtype)
+    engine = build_engine(cfg.engine, base, tokenizer, cfg.rollout, record=cfg.routing_replay,
+                          temperature=cfg.temperature, top_p=cfg.top_p,
+                          max_new_tokens=cfg.max_new_tokens, logprobs=cfg.logprobs,
+                          compensation=cfg.compensation, dtype=dtype)
     ref = None
     if cfg.kl_coef > 0:
         import copy
@@ -187,9 +189,10 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     test = task.test_set()[:cfg.eval_size]
     stream = task.train_examples(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    log(f"rl: task {cfg.task}, rollout {cfg.rollout}, trainer {cfg.trainer}, correction "
-        f"{cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
-        f"{cfg.steps} steps, out {out}")
+    kind = "fast" if isinstance(engine, FastRolloutEngine) else "reference"
+    log(f"rl: task {cfg.task}, rollout {cfg.rollout} (engine {kind}), trainer {cfg.trainer}, "
+        f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "
+        f"samples, {cfg.steps} steps, out {out}")
     engine.sync(model)
     history = []
     pass1 = evaluate(engine, task, test) if cfg.eval_every else None

@@ -1,0 +1,138 @@
+"""The grouped MoE path: token-expert pairs sorted by expert into padded tiles, two grouped GEMM
+launches (gate/up, down) for all experts, and the combine, all without a host sync.
+
+Pair p = t * k + j is token t's j-th choice. `align_pairs` sorts the T*k pairs by expert and
+pads each expert's run to whole tiles of block_m rows; the number of tiles has a static bound
+(T*k // block_m + min(E, T*k)), so every shape is known on the host without reading the routing
+back, and tiles past the last expert's are skipped by the kernel. Everything here is gathers,
+sorts and searchsorted (no scatter, no atomics): deterministic run to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.spec import QuantSpec
+from .packed_gemm import (
+    PackedExperts,
+    choose_grouped_config,
+    grouped_gemm,
+    rows_fake_quantize,
+)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Pairs grouped by expert into tiles of block_m rows.
+
+    sorted_rows: int32 [n_tiles * block_m], the pair of each row (`pairs` for padding); an
+                 expert's pairs are in increasing order.
+    tile_expert: int32 [n_tiles], the expert of each tile; -1 for the unused tiles at the end.
+    """
+
+    sorted_rows: torch.Tensor
+    tile_expert: torch.Tensor
+    pairs: int
+    block_m: int
+
+
+def max_tiles(pairs: int, n_experts: int, block_m: int) -> int:
+    """An upper bound on sum_e ceil(count_e / block_m): each expert with pairs adds at most one
+    partial tile to the pairs // block_m full ones, and at most min(E, pairs) experts have any."""
+    return pairs // block_m + min(n_experts, pairs)
+
+
+def align_pairs(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
+    """Sort the pairs of routing `indices` [T, k] (expert ids in [0, n_experts)) by expert into
+    tiles of block_m rows, each tile holding one expert's pairs (see Alignment)."""
+    flat = indices.reshape(-1).long()
+    pairs, dev = flat.numel(), flat.device
+    n_tiles = max_tiles(pairs, n_experts, block_m)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, in pair order within one
+    experts = torch.arange(n_experts + 1, device=dev)
+    bounds = torch.searchsorted(flat[order], experts)  # expert e's pairs: order[bounds[e]:...]
+    start, counts = bounds[:-1], bounds[1:] - bounds[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    padded_end = torch.cumsum(tiles, 0) * block_m
+    padded_start = padded_end - tiles * block_m
+    rows = torch.arange(n_tiles * block_m, device=dev)
+    row_expert = torch.searchsorted(padded_end, rows, right=True)  # n_experts past the end
+    e = row_expert.clamp(max=n_experts - 1)
+    rank = rows - padded_start[e]
+    valid = (row_expert < n_experts) & (rank < counts[e])
+    src = (start[e] + rank).clamp(max=max(pairs - 1, 0))
+    sorted_rows = torch.where(valid, order[src], pairs).to(torch.int32)
+    tile_expert = row_expert[::block_m]
+    tile_expert = torch.where(tile_expert < n_experts, tile_expert, -1).to(torch.int32)
+    return Alignment(sorted_rows, tile_expert, pairs, block_m)
+
+
+def group_amax(rows: torch.Tensor, row_div: int, group: torch.Tensor,
+               n_groups: int) -> torch.Tensor:
+    """float32 [n_groups]: per group g, max |x| over the pairs p of g of rows[p // row_div], NaN
+    when any is (torch.amax's rule); 0 for an empty group. An integer max over the float32 bits
+    with the sign cleared (ordered like |x|, NaN above inf), through a [pairs, n_groups] mask
+    rather than a scatter: exact, deterministic, and allowed under torch's deterministic mode."""
+    bits = rows.abs().amax(dim=-1).float().view(torch.int32) & 0x7FFFFFFF
+    if row_div > 1:
+        bits = bits[:, None].expand(-1, row_div).reshape(-1)
+    mine = group.reshape(-1, 1) == torch.arange(n_groups, device=rows.device)
+    out = torch.where(mine, bits[:, None], 0).amax(dim=0)
+    return out.view(torch.float32)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """float32 [T, D]: sum_j weights[t, j] * y[t * k + j], each product in float32 and the k
+    terms added in increasing expert order, as Experts.forward's loop adds them (expert by
+    expert into zeros), so equal y give equal bits."""
+    t, k = indices.shape
+    prod = y.reshape(t, k, -1) * weights.reshape(t, k, 1).to(torch.float32)
+    order = indices.argsort(dim=1)
+    prod = prod.gather(1, order[:, :, None].expand_as(prod))
+    out = prod[:, 0] + 0.0  # as the loop's zeros + first term: -0.0 becomes +0.0
+    for j in range(1, k):
+        out = out + prod[:, j]
+    return out
+
+
+def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int,
+             x_spec: QuantSpec | None, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(a, a_div) for a grouped GEMM whose row p multiplies x[p // row_div]: x itself in dtype,
+    or for an NVFP4 x_spec each pair's row quantized with its expert's amax over the rows that
+    expert receives (the reference's per-expert dynamic amax)."""
+    if x_spec is None or x_spec.format == "none":
+        return x.to(dtype), row_div
+    amax = group_amax(x, row_div, groups, n_experts)
+    return rows_fake_quantize(x, row_div, amax, groups, x_spec, dtype), 1
+
+
+def grouped_mlp(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                gate_up: PackedExperts | torch.Tensor, down: PackedExperts | torch.Tensor,
+                x_spec: QuantSpec | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The SwiGLU experts of `Experts.forward` for x [T, D] routed by indices / weights [T, k]:
+    float32 [T, D] = sum_j weights[:, j] * down_e(silu(gate_e(x)) * up_e(x)), e = indices[:, j].
+
+    gate_up [E, 2I, D] and down [E, D, I]: PackedExperts or plain tensors. GEMMs in `dtype`
+    (default x's) with float32 sums. x_spec (NVFP4, 1x16, RNE): each expert's input rows are
+    quantized with the amax of the rows that expert receives, as the per-expert reference does.
+    """
+    dtype = dtype or x.dtype
+    t, k = indices.shape
+    n_experts = gate_up.shape[0]
+    if t * k == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    cfg = choose_grouped_config(t * k, n_experts, dtype)
+    al = align_pairs(indices, n_experts, cfg.block_m)
+    groups = indices.reshape(-1)
+    if not isinstance(gate_up, PackedExperts):
+        gate_up, down = gate_up.to(dtype), down.to(dtype)
+    a, a_div = _operand(x, k, groups, n_experts, x_spec, dtype)
+    gu = grouped_gemm(a, a_div, gate_up, al.sorted_rows, al.tile_expert, al.pairs, cfg)
+    gate, up = gu.chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    h, h_div = _operand(h, 1, groups, n_experts, x_spec, dtype)
+    y = grouped_gemm(h, h_div, down, al.sorted_rows, al.tile_expert, al.pairs, cfg)
+    return combine(y, weights, indices)

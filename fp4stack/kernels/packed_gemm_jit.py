@@ -1,0 +1,236 @@
+"""Triton device code for GEMMs on packed NVFP4 weights (dequantized in registers), grouped MoE.
+
+Decode is bound by the weight bytes a kernel reads: a packed NVFP4 weight is 0.5625 bytes a
+value (4-bit code + one E4M3 scale per 16) against BF16's 2, so these kernels read the packed
+codes and scales and never write a dequantized copy. Each weight value is built exactly as
+`nvfp4_jit.dequantize_kernel` builds it, (e2m1(code) * scale) * D in float32, then rounded once
+to the activation dtype with `cast_rne`, so the GEMM multiplies `fp4stack.dequantize(w, dtype)`
+bit for bit; the products are summed in float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .nvfp4_jit import (
+    block_amax,
+    block_scale_bits,
+    cast_rne,
+    e2m1_rne,
+    e2m1_rne_value,
+    e2m1_value,
+    e4m3_value,
+    encode_factor,
+    global_decode,
+    global_scales,
+    load_halves,
+    sq_error,
+)
+
+
+@triton.jit
+def packed_tile(wd_ptr, ws_ptr, dec, n, n_ok, k0, K, KP, BK: tl.constexpr, PAD_K: tl.constexpr):
+    """float32 values [BN, BK] of a packed weight's rows n, columns k0 .. k0 + BK.
+
+    Reads BK/2 code bytes and BK/16 scale bytes a row (rows are KP/2 and KP/16 bytes apart).
+    Rows past N and columns past KP load as code 0 with scale 0 (value 0; rows past N are never
+    stored). PAD_K (K not a multiple of 16): columns K .. KP are zeroed, since a NaN block scale
+    would make NaN of the padding, which the reference cuts off before its GEMM."""
+    BN: tl.constexpr = n.shape[0]
+    KB: tl.constexpr = BK // 16
+    row = n.to(tl.int64)[:, None]
+    dcols = k0 // 2 + tl.arange(0, BK // 2)
+    packed = tl.load(wd_ptr + row * (KP // 2) + dcols[None, :],
+                     mask=n_ok[:, None] & (dcols < KP // 2)[None, :], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, KB, 16))  # even element low
+    scols = k0 // 16 + tl.arange(0, KB)
+    sbits = tl.load(ws_ptr + row * (KP // 16) + scols[None, :],
+                    mask=n_ok[:, None] & (scols < KP // 16)[None, :], other=0).to(tl.int32)
+    w = tl.reshape(e2m1_value(codes) * e4m3_value(sbits)[:, :, None] * dec, (BN, BK))
+    if PAD_K:
+        w = tl.where((k0 + tl.arange(0, BK) < K)[None, :], w, 0.0)
+    return w
+
+
+@triton.jit
+def round_to(v, ptr, NATIVE_CAST: tl.constexpr):
+    """float32 v rounded to nearest even in ptr's element type. Compiled, Triton's cast is that
+    (cvt.rn); the interpreter's bfloat16 cast is not, so there cast_rne's integer maths."""
+    if NATIVE_CAST:
+        return v.to(ptr.dtype.element_ty)
+    else:
+        return cast_rne(v, ptr)
+
+
+@triton.jit
+def finish(acc, bias_ptr, n, n_ok, out_ptr, HAS_BIAS: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """The epilogue of QuantLinear's reference: y = acc rounded to the output dtype, then
+    y + bias computed in float32 and rounded again (torch's `y + bias` in that dtype)."""
+    y = round_to(acc, out_ptr, NATIVE_CAST)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        y = round_to(y.to(tl.float32) + b[None, :], out_ptr, NATIVE_CAST)
+    return y
+
+
+@triton.jit
+def gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, amax_ptr, bias_ptr, out_ptr, part_ptr, rows_ptr, tile_expert_ptr,
+    M, N, K, KP, sam, swe, swn, A_DIV,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    W_PACKED: tl.constexpr, USE_DOT: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_MAX: tl.constexpr, MMA_TY: tl.constexpr,
+    PRECISION: tl.constexpr, PAD_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
+):
+    """out [M, N] = a [., K] @ W[e]ᵀ, fp32 sums; W packed NVFP4 or plain rows of a's dtype.
+
+    Dense (GROUPED=False): program (m tile, n tile, k split); e = 0; with SPLIT_K > 1 each split
+    writes its fp32 partial sums to part [SPLIT_K, M, N] and `splitk_reduce_kernel` adds them.
+    Grouped: program (tile, n tile); the tile's rows are rows_ptr[tile*BM ...] (pair ids, M for
+    padding), all of expert tile_expert[tile] (-1: nothing to do); a row r reads a[r // A_DIV]
+    and writes out[r].
+    """
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = 0
+    if GROUPED:
+        e = tl.load(tile_expert_ptr + pid_m)
+        if e < 0:
+            return
+        r = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+        row_ok = r < M
+        a_row = r // A_DIV
+        out_row = r
+    else:
+        r = pid_m * BM + tl.arange(0, BM)
+        row_ok = r < M
+        a_row = r
+        out_row = r
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    a_base = a_ptr + a_row.to(tl.int64)[:, None] * sam
+    e64 = e.to(tl.int64) if GROUPED else 0
+    if W_PACKED:
+        wd = w_ptr + e64 * N * (KP // 2)
+        ws = ws_ptr + e64 * N * (KP // 16)
+        dec = global_decode(tl.load(amax_ptr + e64), SCALE_MAX)
+    else:
+        wrow = w_ptr + e64 * swe + n.to(tl.int64)[:, None] * swn
+
+    k_tiles = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    pid_s = tl.program_id(2)
+    kt0 = pid_s * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    acc = tl.zeros((BN, BM) if SWAP_AB else (BM, BN), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        k0 = kt * BK
+        cols = k0 + tl.arange(0, BK)
+        a = tl.load(a_base + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+        if W_PACKED:
+            w = round_to(packed_tile(wd, ws, dec, n, n_ok, k0, K, KP, BK, PAD_K), a_ptr,
+                         NATIVE_CAST)
+        else:
+            w = tl.load(wrow + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
+        if SWAP_AB:
+            # accᵀ = W aᵀ: the weight tile, decoded in registers, is the MMA's A operand, which
+            # Hopper's wgmma reads from registers (M = BN >= 64), and the few rows of a are N.
+            acc = tl.dot(w.to(MMA_TY), tl.trans(a.to(MMA_TY)), acc, input_precision=PRECISION)
+        elif USE_DOT:
+            # MMA_TY is a's dtype, or float32 under the interpreter (whose bf16 dot multiplies
+            # the bit patterns); bf16 and fp16 products are exact in float32 either way.
+            acc = tl.dot(a.to(MMA_TY), tl.trans(w.to(MMA_TY)), acc, input_precision=PRECISION)
+        else:  # few rows: a broadcast product, no layout change of w for the tensor cores
+            prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    mask = row_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        y = finish(acc, bias_ptr, n, n_ok, out_ptr, HAS_BIAS, NATIVE_CAST)
+        tl.store(out_ptr + out_row.to(tl.int64)[:, None] * N + n[None, :], y, mask=mask)
+    else:
+        off = (pid_s * M + out_row.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(part_ptr + off, acc, mask=mask)
+
+
+@triton.jit
+def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         NATIVE_CAST: tl.constexpr):
+    """out = finish(part[0] + part[1] + ... in split order): deterministic, no atomics."""
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    mask = (r < M)[:, None] & n_ok[None, :]
+    off = r.to(tl.int64)[:, None] * N + n[None, :]
+    acc = tl.load(part_ptr + off, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + tl.full((), s, tl.int64) * M * N + off, mask=mask, other=0.0)
+    tl.store(out_ptr + off, finish(acc, bias_ptr, n, n_ok, out_ptr, HAS_BIAS, NATIVE_CAST),
+             mask=mask)
+
+
+@triton.jit
+def column_sq_norms_kernel(wd_ptr, ws_ptr, amax_ptr, like_ptr, out_ptr, N, K, KP,
+                           BN: tl.constexpr, BK: tl.constexpr, SCALE_MAX: tl.constexpr,
+                           PAD_K: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """out[c] = sum over rows of Q(W)[:, c]^2 (Q(W) rounded to like's dtype, squared and summed
+    in float32), for residual compensation's channel energy; reads the packed weight once."""
+    k0 = tl.program_id(0) * BK
+    dec = global_decode(tl.load(amax_ptr), SCALE_MAX)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        n = n0 + tl.arange(0, BN)
+        w = packed_tile(wd_ptr, ws_ptr, dec, n, n < N, k0, K, KP, BK, PAD_K)
+        w = round_to(w, like_ptr, NATIVE_CAST).to(tl.float32)
+        acc += w * w
+    cols = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < K)
+
+
+@triton.jit
+def rows_fake_quantize_kernel(x_ptr, amax_ptr, group_ptr, out_ptr, R, K, sxm, DIV,
+                              BM: tl.constexpr, KB: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+                              SCALE_MAX: tl.constexpr):
+    """out [R, K] = fake_quantize(x[r // DIV]) with the global amax amax[group[r]]: the
+    per-expert activation quantization of the grouped MoE. Row for row the maths of
+    nvfp4_jit.quantize_kernel (FAKE, RNE, 1x16 blocks), only the amax differs per row."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    kbs = pid_k * KB + tl.arange(0, KB)
+    row_ok = rows < R
+    # Rows past R read source rows past R // DIV, which load_halves masks; program_id(2) is
+    # the batch index 0 (the grid has one).
+    lo, hi, mask_lo, mask_hi = load_halves(x_ptr, tl.program_id(2), rows // DIV, kbs,
+                                           tl.cdiv(R, DIV), K, 0, sxm, 1, False, 0)
+    g = tl.load(group_ptr + rows, mask=row_ok, other=0)
+    amax = tl.load(amax_ptr + g, mask=row_ok, other=1.0)  # rows past R are not stored
+    s_enc, s_dec = global_scales(amax, SCALE_MAX)
+    bmax = block_amax(lo, hi)
+    sbits = block_scale_bits(bmax, s_enc[:, None], 1.0 / 6.0)
+    enc = encode_factor(sbits, s_dec[:, None])[:, :, None]
+    dec = global_decode(amax, SCALE_MAX)[:, None, None]
+    if FOUR_OVER_SIX:
+        code_lo = e2m1_rne(lo * enc)
+        code_hi = e2m1_rne(hi * enc)
+        sbits4 = block_scale_bits(bmax, s_enc[:, None], 0.25)
+        enc4 = encode_factor(sbits4, s_dec[:, None])[:, :, None]
+        code4_lo = e2m1_rne(lo * enc4)
+        code4_hi = e2m1_rne(hi * enc4)
+        err4 = sq_error(lo, hi, code4_lo, code4_hi, sbits4, dec, False)
+        use4 = err4 < sq_error(lo, hi, code_lo, code_hi, sbits, dec, False)
+        sbits = tl.where(use4, sbits4, sbits)
+        val_lo = e2m1_value(tl.where(use4[:, :, None], code4_lo, code_lo))
+        val_hi = e2m1_value(tl.where(use4[:, :, None], code4_hi, code_hi))
+    else:
+        val_lo = e2m1_rne_value(lo * enc)
+        val_hi = e2m1_rne_value(hi * enc)
+    s = e4m3_value(sbits)[:, :, None]
+    col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    base = out_ptr + rows.to(tl.int64)[:, None, None] * K
+    row3 = row_ok[:, None, None]
+    tl.store(base + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo & row3)
+    tl.store(base + col_lo + 8, cast_rne(val_hi * s * dec, out_ptr), mask=mask_hi & row3)

@@ -1,0 +1,240 @@
+"""The grouped MoE path (kernels/moe_align.py: pairs sorted into per-expert tiles, two grouped
+GEMM launches, the combine) against Experts' per-expert loop, for BF16 and packed NVFP4 weights.
+
+On CPU the kernels run under the Triton interpreter (forced with nn.linear._FUSED_ON_CPU); on a
+GPU compiled, where the gpu-marked tests also check that inference never syncs with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fp4stack import recipe
+from fp4stack.nn import linear as linear_mod
+from fp4stack.nn.moe import Experts, MoEBlock
+from fp4stack.nn.quant_experts import QuantExperts
+
+pytest.importorskip("triton")
+from fp4stack.kernels import moe_align  # noqa: E402
+from fp4stack.kernels import packed_gemm as pg  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+D, H, E = 32, 16, 6
+
+
+def routing(t: int, k: int, seed: int = 0, experts: int = E, skip: tuple[int, ...] = ()):
+    """(weights, indices) of a top-k router over `experts`, never choosing those in `skip`."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, experts, generator=g)
+    logits[:, list(skip)] = -1e9
+    w, idx = logits.softmax(-1).topk(k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).to(DEVICE), idx.to(DEVICE)
+
+
+@pytest.mark.parametrize("t,k,bm", [(1, 1, 16), (1, 2, 4), (9, 2, 4), (40, 3, 16), (0, 2, 16)])
+def test_align_pairs_tiles_every_pair_once_by_expert(t, k, bm):
+    _, idx = routing(t, k, seed=t, skip=(1, 4))
+    al = moe_align.align_pairs(idx, E, bm)
+    pairs = t * k
+    n_tiles = moe_align.max_tiles(pairs, E, bm)
+    assert al.sorted_rows.shape == (n_tiles * bm,) and al.tile_expert.shape == (n_tiles,)
+    rows = al.sorted_rows.cpu().long().reshape(n_tiles, bm)
+    tiles = al.tile_expert.cpu().long()
+    flat = idx.cpu().reshape(-1)
+    valid = rows < pairs
+    assert sorted(rows[valid].tolist()) == list(range(pairs))  # each pair exactly once
+    for i in range(n_tiles):
+        mine = rows[i][valid[i]]
+        if tiles[i] < 0:
+            assert mine.numel() == 0
+        else:
+            assert mine.numel() > 0 and (flat[mine] == tiles[i]).all()
+            assert (mine.diff() > 0).all()  # pair order within an expert
+    for e in range(E):
+        count = int((flat == e).sum())
+        assert int((tiles == e).sum()) == -(-count // bm)  # whole tiles, no spare ones
+    used = tiles >= 0
+    assert used.sum() == 0 or not used[int(used.sum()):].any()  # unused tiles at the end
+
+
+def test_group_amax_is_the_amax_of_each_groups_rows():
+    x = torch.randn(5, 24)
+    x[3, 7] = -40.0
+    # Pair p reads row p // 2; row 1 goes to group 2 only; group 1 is empty.
+    groups = torch.tensor([0, 2, 2, 2, 0, 2, 2, 0, 0, 2])
+    got = moe_align.group_amax(x, 2, groups, 3)
+    rows = torch.arange(10) // 2
+    for g in range(3):
+        sel = rows[groups == g]
+        want = x[sel].abs().amax() if sel.numel() else torch.tensor(0.0)
+        assert got[g] == want
+    x[1, 0] = float("nan")
+    got = moe_align.group_amax(x.bfloat16(), 2, groups, 3)
+    assert torch.isnan(got[2]) and not torch.isnan(got[0]) and got[1] == 0
+
+
+def test_combine_adds_in_expert_order_like_the_loop():
+    g = torch.Generator().manual_seed(1)
+    t, k = 7, 3
+    y = (torch.randn(t * k, D, generator=g) * 1e3).bfloat16()
+    w = torch.rand(t, k, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
+    out = torch.zeros(t, D)
+    for e in range(E):  # Experts.loop_forward's accumulation: expert by expert into zeros
+        tok, slot = torch.where(idx == e)
+        out.index_add_(0, tok, y.reshape(t, k, D)[tok, slot] * w[tok, slot, None])
+    assert torch.equal(moe_align.combine(y, w, idx), out)
+
+
+def experts(kind: str, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    plain = Experts(D, H, E).to(DEVICE, dtype)  # before packing: .to(dtype) casts fp8 buffers
+    return plain if kind == "bf16" else QuantExperts.from_experts(plain, recipe(kind))
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    monkeypatch.setattr(linear_mod, "_FUSED_ON_CPU", True)
+
+
+CASES = [(1, 1, ()), (1, 2, ()), (9, 2, (0, 3)), (24, 2, (5,))]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w4a4@weights"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matches_the_loop(fused_on_cpu, kind, dtype):
+    mod = experts(kind, dtype)
+    for t, k, skip in CASES:  # T = 1, k = 1 and k = top_k, experts with no tokens
+        w, idx = routing(t, k, seed=t + k, skip=skip)
+        x = (torch.randn(t, D) * torch.logspace(-2, 1, t)[:, None]).to(DEVICE, dtype)
+        with torch.no_grad():
+            got = mod(x, w, idx)
+            want = mod.loop_forward(x, w, idx)
+        assert got.dtype == dtype and got.shape == (t, D)
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("config", list(pg.GROUPED_CONFIGS))
+def test_every_grouped_config(fused_on_cpu, monkeypatch, config):
+    monkeypatch.setattr(moe_align, "choose_grouped_config",
+                        lambda *_: pg.GROUPED_CONFIGS[config])
+    w, idx = routing(20, 2, seed=4, skip=(2,))
+    x = torch.randn(20, D, device=DEVICE, dtype=torch.bfloat16)
+    for kind in ("bf16", "w4a4"):
+        mod = experts(kind, torch.bfloat16)
+        with torch.no_grad():
+            got, want = mod(x, w, idx), mod.loop_forward(x, w, idx)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_per_expert_activation_amax_as_the_loop(fused_on_cpu):
+    # Tokens of very different sizes go to different experts: one global amax would quantize
+    # the small ones far more coarsely than the loop, which uses each expert's own rows.
+    mod = experts("w4a4")
+    t = 8
+    x = torch.randn(t, D, device=DEVICE)
+    x[:4] *= 1000.0
+    idx = torch.tensor([[0], [0], [0], [0], [2], [2], [3], [3]], device=DEVICE)
+    w = torch.ones(t, 1, device=DEVICE)
+    with torch.no_grad():
+        got, want = mod(x, w, idx), mod.loop_forward(x, w, idx)
+    torch.testing.assert_close(got[4:], want[4:], rtol=1e-5, atol=1e-6)
+    # The large rows' outputs reach ~1e3, and on a GPU the two paths sum in other orders (cuBLAS
+    # in the loop): the bound scales with the largest output, as in the other tests here.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_four_over_six_activations(fused_on_cpu):
+    r = recipe("w4a4")
+    r = r.with_(name="w4a4-46", x=replace(r.x, four_over_six=True))
+    torch.manual_seed(2)
+    mod = QuantExperts.from_experts(Experts(D, H, E), r).to(DEVICE)
+    w, idx = routing(12, 2, seed=3)
+    x = torch.randn(12, D, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x, w, idx), mod.loop_forward(x, w, idx), rtol=2e-6,
+                                   atol=1e-6)
+
+
+def test_grouped_path_taken_only_when_it_should(monkeypatch):
+    calls = []
+    real = moe_align.grouped_mlp
+    monkeypatch.setattr(moe_align, "grouped_mlp",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w, idx = routing(5, 2)
+    x = torch.randn(5, D, device=DEVICE)
+    plain = experts("bf16")
+    with torch.no_grad():
+        plain(x, w, idx)
+    assert len(calls) == (1 if CUDA else 0)
+    monkeypatch.setattr(linear_mod, "_FUSED_ON_CPU", True)
+    calls.clear()
+    plain(x, w, idx)  # grad mode, trainable parameters: the loop
+    assert not calls
+    with torch.no_grad():
+        plain(x, w, idx)
+        assert len(calls) == 1
+        master = QuantExperts.from_experts(Experts(D, H, E), recipe("nvfp4")).to(DEVICE)
+        master(x, w, idx)  # master weights: quantized per expert by the loop
+        sr = recipe("w4a4").with_(name="w4a4-sr", x=replace(recipe("w4a4").x,
+                                                            rounding="stochastic"))
+        QuantExperts.from_experts(Experts(D, H, E), sr).to(DEVICE)(x, w, idx)
+        assert len(calls) == 1  # stochastic activations: the loop (a seed per expert call)
+        experts("w4a4")(x, w, idx)
+        assert len(calls) == 2
+
+
+def test_moe_block_aux_loss_only_with_grad():
+    torch.manual_seed(0)
+    block = MoEBlock(D, H, E, 2)
+    x = torch.randn(3, 4, D)
+    block(x)
+    assert block.aux_loss is not None and block.aux_loss.requires_grad
+    with torch.no_grad():
+        block(x)
+    assert block.aux_loss is None
+
+
+@gpu
+def test_grouped_moe_never_syncs_and_captures_in_a_cuda_graph():
+    block = MoEBlock(256, 128, 16, 4).to("cuda", torch.bfloat16)
+    quant = MoEBlock(256, 128, 16, 4).to("cuda", torch.bfloat16)
+    quant.experts = QuantExperts.from_experts(quant.experts, recipe("w4a4"))
+    x = torch.randn(2, 5, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [block(x), quant(x)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            block(x), quant(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [block(x), quant(x)]
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(outs, want, strict=True):
+        assert torch.equal(got, ref)
+        torch.testing.assert_close(got, ref)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_large_grouped_moe_on_gpu(tokens):
+    torch.manual_seed(tokens)
+    e, k, d, i = 64, 8, 2048, 768
+    mod = QuantExperts.from_experts(Experts(d, i, e).to("cuda", torch.bfloat16), recipe("w4a4"))
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    w, idx = torch.randn(tokens, e, device="cuda").softmax(-1).topk(k, dim=-1)
+    with torch.no_grad():
+        got, want = mod(x, w, idx), mod.loop_forward(x, w, idx)
+        assert torch.equal(got, mod(x, w, idx))  # deterministic
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -150,7 +150,7 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,
                       "kv_mb": kv / 1e6, "roofline_tokens_per_s": batch * steps_s,
                       "roofline_kv_tokens_per_s": batch * bandwidth / (weights + kv),
-                      "graphs": engine.graphs_enabled})
+                      "graphs": name == "fast" and engine.captured_graphs > 0})
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fp4stack import recipe
+from fp4stack.formats.fp8 import fake_quantize_fp8
 from fp4stack.nn import linear as linear_mod
 from fp4stack.nn.moe import Experts, MoEBlock
 from fp4stack.nn.quant_experts import QuantExperts
@@ -106,7 +107,7 @@ def fused_on_cpu(monkeypatch):
 CASES = [(1, 1, ()), (1, 2, ()), (9, 2, (0, 3)), (24, 2, (5,))]
 
 
-@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w4a4@weights"])
+@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w4a4@weights", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matches_the_loop(fused_on_cpu, kind, dtype):
     mod = experts(kind, dtype)
@@ -132,6 +133,20 @@ def test_every_grouped_config(fused_on_cpu, monkeypatch, config):
         with torch.no_grad():
             got, want = mod(x, w, idx), mod.loop_forward(x, w, idx)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_w8a8_stacks_are_cached_and_refreshed_in_place():
+    mod = experts("w8a8")
+    gate_up, down, x_spec = mod.grouped_operands()
+    assert x_spec.format == "fp8" and mod.grouped_operands()[0] is gate_up
+    before = gate_up.clone()
+    with torch.no_grad():
+        mod.gate_up_proj.mul_(3.0)  # an in-place weight sync
+    mod.refresh_inference_cache()  # what a rollout engine's sync does next
+    assert mod.fp8_stack("gate_up") is gate_up and not torch.equal(gate_up, before)
+    want = fake_quantize_fp8(mod.gate_up_proj.detach()[1], "block128")
+    assert torch.equal(gate_up[1], want)
+    assert mod.fp8_stack("down") is down
 
 
 def test_per_expert_activation_amax_as_the_loop(fused_on_cpu):

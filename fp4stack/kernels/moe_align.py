@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
 from .packed_gemm import (
     PackedExperts,
@@ -105,6 +106,12 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
     expert receives (the reference's per-expert dynamic amax)."""
     if x_spec is None or x_spec.format == "none":
         return x.to(dtype), row_div
+    if x_spec.format == "fp8":  # per row or 1x128 block: no expert's rows change another's
+        if x_spec.fp8_granularity == "tensor":
+            raise ValueError("grouped experts take FP8 activations scaled per row or per 1x128 "
+                             "block, not per tensor (the loop's amax is each expert's)")
+        q = fake_quantize_fp8(x, x_spec.fp8_granularity, nan_policy="propagate")
+        return q.to(dtype), row_div
     amax = group_amax(x, row_div, groups, n_experts)
     return rows_fake_quantize(x, row_div, amax, groups, x_spec, dtype), 1
 

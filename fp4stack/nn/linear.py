@@ -297,24 +297,25 @@ class QuantLinear(PackedState, nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def qweight_column_sq_norms(self, dtype: torch.dtype) -> torch.Tensor:
         """float32 [K]: ||Q(W)[:, c]||² of the packed weight read in `dtype`, for residual
-        compensation's channel energy. Read from the packed bytes by one kernel; kept while the
-        packed buffers are unchanged (their version counters), recomputed inside a CUDA-graph
-        capture so that a replay after a weight sync sees the new weight."""
+        compensation's channel energy. Read from the packed bytes by one kernel and kept while
+        the packed buffers are unchanged (their version counters); recomputed into the same
+        tensor when they change, so a CUDA graph that captured it reads the new norms once
+        `refresh_inference_cache` ran (rollout engines call it after every weight sync)."""
         from ..kernels.packed_gemm import column_sq_norms
 
         w = self.packed_weight
         parts = (w.data, w.scales, w.amax)
-        capturing = w.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         try:
             key = (dtype, *((t.data_ptr(), t._version) for t in parts))
         except RuntimeError:  # inference tensors keep no version counter: no cache
-            key = None
+            return column_sq_norms(w, dtype)
         cached = vars(self).get("_column_norms")
-        if not capturing and key is not None and cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key:
             return cached[1]
         norms = column_sq_norms(w, dtype)
-        if not capturing and key is not None:
-            vars(self)["_column_norms"] = (key, norms)
+        if cached is not None and cached[0][0] == dtype:
+            norms = cached[1].copy_(norms)
+        vars(self)["_column_norms"] = (key, norms)
         return norms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -356,6 +357,9 @@ class QuantLinear(PackedState, nn.Module):
         engines after a weight sync, since a CUDA-graph replay never runs forward)."""
         if getattr(self, "_fp8_cache", None) is not None:
             self.fp8_weight()
+        norms = vars(self).get("_column_norms")
+        if norms is not None and self.weight is None:
+            self.qweight_column_sq_norms(norms[0][0])
 
     def _reference_forward(self, x2: torch.Tensor) -> torch.Tensor:
         # Training, calibration and CPU: the packed weight dequantized, then quant_linear.

@@ -8,10 +8,12 @@ transformers 5.x (Qwen3-MoE, OLMoE, Mixtral: forward(hidden_states, top_k_index,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from ..api import dequantize, quantize
+from ..api import dequantize, fake_quantize, quantize
 from ..formats.tensor import NVFP4Tensor
 from .linear import quant_linear
 from .moe import Experts
@@ -62,7 +64,7 @@ class ExpertQuantization(PackedState):
         with their own amax, as the loop); None otherwise (master weights, FP8, stochastic
         rounding or 16x16 activations), which keeps the per-expert loop."""
         if getattr(self, "gate_up_proj", None) is not None:
-            return None
+            return self._fp8_grouped_operands()
         from ..kernels.packed_gemm import rows_fake_quantize_supported
 
         spec = self.recipe.x
@@ -71,6 +73,37 @@ class ExpertQuantization(PackedState):
         elif not rows_fake_quantize_supported(spec):
             return None
         return self.packed_stack("gate_up"), self.packed_stack("down"), spec
+
+    def _fp8_grouped_operands(self) -> tuple | None:
+        """Master weights with FP8 operands scaled per row or per 1x128 block (w8a8): each row's
+        values do not depend on which rows share its expert, so the stacks are fake-quantized
+        whole (cached until the weights change) and the activations row by row, as the loop."""
+        specs = (self.recipe.x, self.recipe.w)
+        if not all(s is not None and s.format == "fp8" and s.fp8_granularity != "tensor"
+                   for s in specs):
+            return None
+        return self.fp8_stack("gate_up"), self.fp8_stack("down"), self.recipe.x
+
+    @torch.no_grad()
+    def fp8_stack(self, proj: str) -> torch.Tensor:
+        """Projection `proj`'s master stack fake-quantized by the recipe's w spec, cached; when
+        the weights change (version counter) recomputed into the same tensor, so a CUDA graph
+        that captured it reads the new values after `refresh_inference_cache`."""
+        w = getattr(self, f"{proj}_proj")
+        key = (w.data_ptr(), w._version)
+        cache = vars(self).setdefault("_fp8_stacks", {})
+        if proj not in cache or cache[proj][0] != key:
+            q = fake_quantize(w, spec=replace(self.recipe.w, nan_policy="propagate"))
+            if proj in cache:
+                q = cache[proj][1].copy_(q)
+            cache[proj] = (key, q)
+        return cache[proj][1]
+
+    def refresh_inference_cache(self) -> None:
+        """Bring cached inference operands up to date after a weight sync (rollout engines call
+        it: a CUDA-graph replay never runs forward)."""
+        for proj in list(vars(self).get("_fp8_stacks", {})):
+            self.fp8_stack(proj)
 
     def quant_expert_linear(self, x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
         w = getattr(self, f"{proj}_proj")

@@ -171,6 +171,12 @@ class FastRolloutEngine(RolloutEngine):
         """Whether decoding steps are graph-captured (CUDA, and use_cuda_graph not False)."""
         return self.device.type == "cuda" and self.use_cuda_graph is not False
 
+    @property
+    def captured_graphs(self) -> int:
+        """How many decoding steps are held as captured CUDA graphs (0: every step ran eagerly,
+        e.g. after a failed capture)."""
+        return sum(g is not None for s in self._slots.values() for g in s.graphs.values())
+
     def _fingerprint(self) -> tuple:
         # Where every weight lives: a captured graph reads these addresses.
         return tuple((name, t.data_ptr()) for name, t in

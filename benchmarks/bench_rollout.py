@@ -120,6 +120,18 @@ def time_generate(engine: RolloutEngine, generate, prompts: list[list[int]], new
             "ms_per_step": 1e3 * seconds / new_tokens}
 
 
+def step_profile(call, new_tokens: int, top: int = 15) -> list[dict]:
+    """The kernels of one generate() call by device time, per decoding step (the call's time
+    over new_tokens: the prefill and the scoring forward are in it too), slowest first."""
+    from fp4stack.kernels.profiling import kernel_times
+
+    rows = kernel_times(call, reps=1)[:top]
+    for name, launches, ms in rows:
+        print(f"    {ms / new_tokens * 1e3:8.1f} us/step  {launches:6d} launches  {name}")
+    return [{"kernel": name, "launches": launches, "us_per_step": ms / new_tokens * 1e3}
+            for name, launches, ms in rows]
+
+
 def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                 device: torch.device, bandwidth: float, emit) -> None:
     """Every (precision, batch, engine) row of `shape`, each passed to `emit` when measured."""
@@ -145,6 +157,8 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                              args.reference_new_tokens))
             for name, generate, n in runs:
                 r = time_generate(engine, generate, prompts, n, device, g, args.repeats)
+                if args.profile and name == "fast" and device.type == "cuda":
+                    r["profile"] = step_profile(functools.partial(generate, prompts, g), n)
                 steps_s = bandwidth / weights
                 emit({"shape": shape, "precision": precision, "engine": name, "batch": batch,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,
@@ -215,6 +229,8 @@ def main() -> None:
                    help="instead: time GRPO steps of configs/rl/small-moe.yaml per engine")
     p.add_argument("--grpo-steps", type=int, default=5, help="steps timed with --grpo-step")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    p.add_argument("--profile", action="store_true",
+                   help="also list each fast row's slowest kernels (torch.profiler, one call)")
     p.add_argument("--out", help="also write the results as JSON here (after every row)")
     args = p.parse_args()
     device = torch.device(args.device)

@@ -364,7 +364,7 @@ def test_rollout_benchmark_rows_on_cpu():
     assert bench.weight_bytes(model, 64) == rest + TOK.vocab_size * row + int(
         experts * (1 - 0.5**64))
     args = argparse.Namespace(prompt=5, new_tokens=4, reference_new_tokens=2, no_reference=False,
-                              logprobs="score", compensation=0.05, repeats=1)
+                              logprobs="score", compensation=0.05, repeats=1, profile=False)
     rows = []
     bench.SHAPES["test"] = dict(vocab_size=20, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                 ffn_hidden=64)

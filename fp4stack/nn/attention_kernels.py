@@ -17,7 +17,8 @@ def is_tiled(config: AttentionQuant) -> bool:
     return config.q == config.k == config.v == NVFP4_TILES
 
 
-def kernel_config(config: AttentionQuant) -> bool:
+@torch.compiler.assume_constant_result  # a pure function of a frozen config: torch.compile
+def kernel_config(config: AttentionQuant) -> bool:  # calls it once instead of tracing replace()
     """Whether the kernels compute `config`: the method's specs, each of Q, K, V rounded to
     nearest (NVFP4_RNE) or stochastically (NVFP4_SR), or all three in 16x16 tiles, with either
     reuse and/or ds=None, and the ablations AttentionAblation.in_kernels accepts. Other specs

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..models.gpt import GPT
 from ..models.static_cache import StaticKVCache, decode_mask
 from . import policy as lm
-from .rollout import Rollout, RolloutEngine
+from .rollout import Rollout, RolloutEngine, top_p_sorted
 
 ENGINES = ("auto", "fast", "reference")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # then multiples of 256
@@ -73,9 +73,8 @@ def sample_on_device(logits: Tensor, temperature: float, top_p: float,
     else:
         probs = logp.exp()
         if top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-            pick = _inverse_cdf(sorted_p.masked_fill(drop, 0.0), u)
+            kept, order = top_p_sorted(probs, top_p)
+            pick = _inverse_cdf(kept, u)
             nxt = order.gather(-1, pick[:, None]).squeeze(-1)
         else:
             nxt = _inverse_cdf(probs, u)

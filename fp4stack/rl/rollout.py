@@ -56,6 +56,14 @@ class Rollout:
         return self.response_mask.sum(-1)
 
 
+def top_p_sorted(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """(probabilities sorted descending with all but the smallest set reaching top_p zeroed,
+    the sort order): the nucleus both engines sample from."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest set reaching p
+    return sorted_p.masked_fill(drop, 0.0), order
+
+
 def sample_next(logits: Tensor, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """(next token [B], its log-prob under softmax(logits / temperature) [B]); greedy at
@@ -67,9 +75,8 @@ def sample_next(logits: Tensor, temperature: float, top_p: float,
     else:
         probs = logp.exp()
         if top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest set reaching p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+            kept, order = top_p_sorted(probs, top_p)
+            probs = probs.scatter(-1, order, kept)
         nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 

@@ -38,6 +38,8 @@ ARGS.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256],
                   help="MoE tokens (E=64, top-8, D=2048, I=768)")
 ARGS.add_argument("--moe-shape", default="64,8,2048,768", help="E,top_k,D,I")
 ARGS.add_argument("--sweep", action="store_true", help="time every tile config per shape")
+ARGS.add_argument("--splits", default="0,1,2,4,8",
+                  help="with --sweep: split-K values to time (0: the automatic choice)")
 ARGS.add_argument("--no-moe", action="store_true")
 ARGS.add_argument("--compile-check", action="store_true",
                   help="compile the kernels for sm_90 (no GPU needed) and print ptxas's report")
@@ -48,8 +50,9 @@ ARGS.add_argument("--out", help="write the results as JSON here")
 DEVICE = "cuda"
 
 
-def bench(fn) -> tuple[float, bool]:
-    """(median microseconds, timed as a CUDA-graph replay); eager when fn cannot be captured."""
+def bench(fn, quick: bool = False) -> tuple[float, bool]:
+    """(median microseconds, timed as a CUDA-graph replay); eager when fn cannot be captured.
+    quick: one short timing (the sweep's many candidates) instead of the median of three."""
     import triton.testing
 
     if DEVICE == "cpu":  # the interpreter smoke run: one call, timed once
@@ -59,8 +62,9 @@ def bench(fn) -> tuple[float, bool]:
         return (time.perf_counter() - t0) * 1e6, False
 
     try:
-        ms = [triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-              for _ in range(3)]
+        ms = [triton.testing.do_bench_cudagraph(fn, rep=25 if quick else 100,
+                                                return_mode="median")
+              for _ in range(1 if quick else 3)]
         return statistics.median(ms) * 1e3, True
     except Exception:  # a host sync (the old MoE loop): eager timing, launch overhead included
         torch.cuda.synchronize()
@@ -149,8 +153,9 @@ def moe_rows(tokens: int, e: int, top_k: int, d: int, i: int) -> list[dict]:
     return rows
 
 
-def sweep(m: int, n: int, k: int) -> list[dict]:
-    """Every GEMM_CONFIGS entry with split-K auto, 1, 2, 4, 8 on one shape, fastest first."""
+def sweep(m: int, n: int, k: int, splits: list[int]) -> list[dict]:
+    """Every GEMM_CONFIGS entry with each split-K of `splits` (0: auto) on one shape, fastest
+    first; configs that launch the same kernel at this M (block_m cut to M) are timed once."""
     from dataclasses import replace
 
     from fp4stack import fake_quantize, quantize
@@ -162,13 +167,16 @@ def sweep(m: int, n: int, k: int) -> list[dict]:
     x = fake_quantize(torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16))
     out, seen = [], set()
     for name, cfg in pg.GEMM_CONFIGS.items():
-        for split in (0, 1, 2, 4, 8):
+        if not cfg.dot and m > 16:
+            continue  # broadcast products are for decode's few rows
+        for split in splits:
             c = replace(cfg, split_k=split)
             eff = pg.split_for(c, m, n, k, x.device)
-            if (name, eff) in seen or -(-k // cfg.block_k) < eff:
+            launch = replace(c, block_m=pg.effective_block_m(c, m), split_k=eff)
+            if launch in seen or -(-k // cfg.block_k) < eff:
                 continue
-            seen.add((name, eff))
-            us, _ = bench(lambda c=c: pg.packed_linear(x, t, config=c))
+            seen.add(launch)
+            us, _ = bench(lambda c=c: pg.packed_linear(x, t, config=c), quick=True)
             out.append(dict(config=name, split_k=eff, m=m, n=n, k=k, us=us))
     return sorted(out, key=lambda r: r["us"])
 
@@ -292,7 +300,7 @@ def main() -> None:
             for m in args.m:
                 rows += linear_rows(m, n, k)
                 if args.sweep:
-                    best = sweep(m, n, k)
+                    best = sweep(m, n, k, [int(v) for v in args.splits.split(",")])
                     result.setdefault("sweep", []).extend(best)
                     print(f"sweep M={m} N={n} K={k}: " + ", ".join(
                         f"{r['config']}/split{r['split_k']} {r['us']:.1f} us" for r in best[:4]))

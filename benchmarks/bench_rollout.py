@@ -42,6 +42,9 @@ SHAPES = {
     # Qwen3-30B-A3B-like blocks, 8 of them, 64 experts.
     "moe": dict(vocab_size=32768, dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, head_dim=128,
                 moe=True, n_experts=64, top_k=8, moe_hidden=768),
+    # The ~240M-parameter MoE of the issue that asked for the fast engine (8 experts top-2).
+    "moe-240m": dict(vocab_size=32768, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                     moe=True, n_experts=8, top_k=2, moe_hidden=768),
     # configs/rl/small-moe.yaml's policy (a character vocabulary).
     "small-moe": dict(vocab_size=20, dim=256, n_layers=4, n_heads=4, n_kv_heads=2,
                       ffn_hidden=128, moe=True, n_experts=8, top_k=2, moe_hidden=256),

@@ -55,22 +55,26 @@ class GemmConfig:
 GEMM_CONFIGS: dict[str, GemmConfig] = {
     "gemv16x256": GemmConfig(4, 16, 256, dot=False),
     "gemv32x128": GemmConfig(4, 32, 128, dot=False),
+    "gemv16x512": GemmConfig(4, 16, 512, dot=False),
     "dot16x32x128": GemmConfig(16, 32, 128),
     "dot16x64x64": GemmConfig(16, 64, 64),
     "dot16x64x128": GemmConfig(16, 64, 128),
     "swap16x64x64": GemmConfig(16, 64, 64, swap_ab=True),
     "swap16x64x128": GemmConfig(16, 64, 128, swap_ab=True),
+    "swap16x128x128w8": GemmConfig(16, 128, 128, num_warps=8, swap_ab=True),
     "swap32x128x64": GemmConfig(32, 128, 64, num_warps=8, swap_ab=True),
     "dot32x64x64": GemmConfig(32, 64, 64),
     "dot64x64x128": GemmConfig(64, 64, 128, num_warps=8),
     "dot64x128x64": GemmConfig(64, 128, 64, num_warps=8),
     "dot128x128x64": GemmConfig(128, 128, 64, num_warps=8),
 }
-# (largest M, config): decode (M <= 16) reads each weight byte once per 16 rows, so it is bound
-# by weight bandwidth; small N tiles and split-K give it enough programs. Not yet tuned on the
-# H200: `bench_packed_gemm.py --sweep` prints the fastest per shape.
+# (largest M, config): decode (M <= 16) reads each weight byte once per 16 rows; small N tiles
+# and split-K give it enough programs. Swept on the H200 (bench_packed_gemm.py --sweep, splits
+# auto/1/4, 2026-12-02): swap16x64x128 with the automatic split was fastest or within 4% of it
+# at M = 1 and 16 on 16384x2048 and 2048x8192 (21.5 and 13.3 us at M = 1); the broadcast
+# product (gemv*) took 26-31 and 16-19 us. Larger M keep the first-guess tiles (not swept).
 M_BUCKETS: tuple[tuple[int, str], ...] = (
-    (4, "gemv16x256"), (16, "swap16x64x64"), (32, "swap32x128x64"), (64, "dot64x64x128"),
+    (16, "swap16x64x128"), (32, "swap32x128x64"), (64, "dot64x64x128"),
     (256, "dot64x128x64"), (1 << 62, "dot128x128x64"),
 )
 # float32 operands: full-precision dots run on the FMA units, where big tiles spill.

@@ -19,7 +19,14 @@ def channel_energy(residual: torch.Tensor, qweight: torch.Tensor) -> torch.Tenso
 def top_channels(residual: torch.Tensor, qweight: torch.Tensor, k: int) -> torch.Tensor:
     """The k channels of highest residual energy in this batch (sorted indices)."""
     energy = channel_energy(residual.detach().float(), qweight.detach().float())
-    return torch.topk(energy, k).indices.sort().values
+    return top_indices(energy, k)
+
+
+def top_indices(energy: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (ascending) of the k largest entries of energy [K], ties at the k-th taken
+    lowest index first: the first k of a stable descending sort. A defined tie rule, so the
+    fused decoding path (kernels.top_mask) picks the same channels."""
+    return torch.sort(energy, descending=True, stable=True).indices[:k].sort().values
 
 
 def correction(residual: torch.Tensor, qweight: torch.Tensor, channels: torch.Tensor):

@@ -168,6 +168,7 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
     the top channels by residual energy, picked on the device.
     """
     from ..kernels.packed_gemm import packed_linear
+    from ..kernels.top_mask import top_mask
 
     recipe = layer.recipe
     spec = recipe.x
@@ -184,9 +185,10 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
     channels = layer.rc_channels if cfg.mode == "static" else None
     if channels is None:
         energy = (x2 - qx).float().pow(2).sum(0) * layer.qweight_column_sq_norms(x2.dtype)
-        channels = torch.topk(energy, cfg.count(x2.shape[-1])).indices
-    return packed_linear(torch.where(channel_mask(channels, x2.shape[-1]), x2, qx).to(dtype),
-                         layer.packed_weight, layer.bias)
+        mask = top_mask(energy, cfg.count(x2.shape[-1]))
+    else:
+        mask = channel_mask(channels, x2.shape[-1])
+    return packed_linear(torch.where(mask, x2, qx).to(dtype), layer.packed_weight, layer.bias)
 
 
 def channel_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
@@ -414,7 +416,7 @@ class QuantLinear(PackedState, nn.Module):
         if self.recipe.compensation is not None:
             k = self.recipe.compensation.count(self.in_features)
             energy = self._calibration["energy"]
-            self.rc_channels = torch.topk(energy, k).indices.sort().values.to(dev)
+            self.rc_channels = rc.top_indices(energy, k).to(dev)
         self._calibration = None
 
     def extra_repr(self) -> str:

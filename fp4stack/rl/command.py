@@ -33,6 +33,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="rollout correction (importance weights on the policy loss)")
     p.add_argument("--routing-replay", action="store_true", default=None,
                    help="replay the rollout's MoE routing in the trainer")
+    p.add_argument("--engine", choices=("auto", "fast", "reference"),
+                   help="rollout engine: fast (static KV cache, CUDA-graph steps), reference, "
+                        "or auto (fast for fp4stack GPT policies on CUDA; the default)")
     p.add_argument("--out", help="output directory; {rollout} and {trainer} are filled in")
 
 
@@ -66,7 +69,7 @@ def run_rl_command(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args, rollout=args.rollout, trainer=args.trainer,
                       correction=args.correction, routing_replay=args.routing_replay,
-                      out=args.out)
+                      engine=args.engine, out=args.out)
         result = run_rl(cfg)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl", e)

@@ -1,0 +1,70 @@
+"""The k largest entries of a vector as a mask, in one launch with no host sync: QUADS's choice
+of compensation channels during decoding, where `torch.topk` + sort + searchsorted cost several
+launches and tens of microseconds a layer.
+
+The rule is `nn.compensation.top_channels`'s: the k largest values, ties at the k-th taken
+lowest index first (a stable descending sort's first k). Values are compared as their float32
+bit patterns read as unsigned integers, which orders every value >= +0 as the floats do, and
+puts NaN above +inf (where torch's sort puts it too). Energies are sums of squares, never
+negative; negative inputs would order above the positive ones, so they are not for this. One
+program: the vector sits in registers, its k-th largest bit pattern is found by 32
+rounds of binary search (one count each), and the ties by one prefix sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .nvfp4 import _launch_options
+
+MAX_LENGTH = 1 << 15  # one program holds the vector in registers
+
+
+@triton.jit
+def top_mask_kernel(v_ptr, out_ptr, N, K, BLOCK: tl.constexpr):
+    """out[i] = v[i] is among the K largest of v[:N] (ties lowest index first); 0 < K <= N."""
+    i = tl.arange(0, BLOCK)
+    ok = i < N
+    bits = tl.load(v_ptr + i, mask=ok, other=0.0).to(tl.uint32, bitcast=True)
+    # The largest pattern t with at least K entries >= t is the K-th largest; padding never
+    # counts (it is masked out of every count).
+    t = tl.full((), 0, tl.uint32)
+    for b in tl.static_range(31, -1, -1):
+        cand = t | (1 << b)
+        count = tl.sum((ok & (bits >= cand)).to(tl.int32), axis=0)
+        t = tl.where(count >= K, cand, t)
+    above = ok & (bits > t)
+    tie = ok & (bits == t)
+    need = K - tl.sum(above.to(tl.int32), axis=0)
+    rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1 for the first tie
+    tl.store(out_ptr + i, above | (tie & (rank <= need)), mask=ok)
+
+
+def top_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [N]: True at the k largest entries of the float32 vector `values` [N] (values >= +0;
+    ties lowest index first: the first k of a stable descending sort). One Triton launch up to
+    MAX_LENGTH entries, a stable sort above; k <= 0 gives no entry, k >= N every one."""
+    if values.dim() != 1 or values.dtype != torch.float32:
+        raise ValueError(f"top_mask: values must be a float32 vector, got {values.dtype} "
+                         f"{tuple(values.shape)}")
+    n = values.numel()
+    if k <= 0 or n == 0:
+        return torch.zeros(n, dtype=torch.bool, device=values.device)
+    if k >= n:
+        return torch.ones(n, dtype=torch.bool, device=values.device)
+    if n > MAX_LENGTH:
+        return stable_top_mask(values, k)
+    out = torch.empty(n, dtype=torch.bool, device=values.device)
+    block = triton.next_power_of_2(n)
+    top_mask_kernel[(1,)](values.contiguous(), out, n, k, BLOCK=block,
+                          num_warps=min(16, max(4, block // 1024)), **_launch_options())
+    return out
+
+
+def stable_top_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The same mask by torch: the first k of a stable descending sort."""
+    order = torch.sort(values, descending=True, stable=True).indices[:k]
+    mask = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+    return mask.index_fill_(0, order, True)

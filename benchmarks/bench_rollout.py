@@ -145,30 +145,36 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
     dtype = torch.bfloat16 if device.type == "cuda" else None
     g = torch.Generator(device=device).manual_seed(0)
     for precision in precisions:
-        engine = FastRolloutEngine(base, tok, precision, dtype=dtype, temperature=1.0,
-                                   logprobs=args.logprobs, compensation=args.compensation)
+        kw = dict(dtype=dtype, temperature=1.0, logprobs=args.logprobs,
+                  compensation=args.compensation)
+        engine = FastRolloutEngine(base, tok, precision, **kw)
+        compiled = (FastRolloutEngine(base, tok, precision, compile_step=True, **kw)
+                    if args.compile else None)
         for batch in batches:
             prompts = torch.randint(1, cfg.vocab_size, (batch, args.prompt), generator=g,
                                     device=device).tolist()
             weights = weight_bytes(engine.model, batch_bucket(batch))
             length = -(-(args.prompt + args.new_tokens) // LENGTH_BUCKET) * LENGTH_BUCKET
             kv = kv_bytes(engine.model, batch_bucket(batch), length)
-            runs = [("fast", engine.generate, args.new_tokens)]
+            runs = [("fast", engine, engine.generate, args.new_tokens)]
+            if compiled is not None:
+                runs.append(("fast-compiled", compiled, compiled.generate, args.new_tokens))
             if not args.no_reference:
                 # The reference loop on the same converted model.
-                runs.append(("reference", functools.partial(RolloutEngine.generate, engine),
+                runs.append(("reference", engine,
+                             functools.partial(RolloutEngine.generate, engine),
                              args.reference_new_tokens))
-            for name, generate, n in runs:
-                r = time_generate(engine, generate, prompts, n, device, g, args.repeats)
-                if args.profile and name == "fast" and device.type == "cuda":
+            for name, eng, generate, n in runs:
+                r = time_generate(eng, generate, prompts, n, device, g, args.repeats)
+                if args.profile and name != "reference" and device.type == "cuda":
                     r["profile"] = step_profile(functools.partial(generate, prompts, g), n)
                 steps_s = bandwidth / weights
                 emit({"shape": shape, "precision": precision, "engine": name, "batch": batch,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,
                       "kv_mb": kv / 1e6, "roofline_tokens_per_s": batch * steps_s,
                       "roofline_kv_tokens_per_s": batch * bandwidth / (weights + kv),
-                      "graphs": name == "fast" and engine.captured_graphs > 0})
-        del engine
+                      "graphs": name != "reference" and eng.captured_graphs > 0})
+        del engine, compiled
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -225,6 +231,8 @@ def main() -> None:
     p.add_argument("--reference-new-tokens", type=int, default=16,
                    help="decoded tokens, reference engine (default 16)")
     p.add_argument("--no-reference", action="store_true", help="time the fast engine only")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the fast engine with its step through torch.compile")
     p.add_argument("--logprobs", default="score", choices=("score", "sample"))
     p.add_argument("--compensation", type=float, default=0.05, help="quads: channel fraction")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (median)")

@@ -364,7 +364,8 @@ def test_rollout_benchmark_rows_on_cpu():
     assert bench.weight_bytes(model, 64) == rest + TOK.vocab_size * row + int(
         experts * (1 - 0.5**64))
     args = argparse.Namespace(prompt=5, new_tokens=4, reference_new_tokens=2, no_reference=False,
-                              logprobs="score", compensation=0.05, repeats=1, profile=False)
+                              logprobs="score", compensation=0.05, repeats=1, profile=False,
+                              compile=False)
     rows = []
     bench.SHAPES["test"] = dict(vocab_size=20, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                 ffn_hidden=64)
@@ -375,3 +376,22 @@ def test_rollout_benchmark_rows_on_cpu():
     assert [(r["engine"], r["new_tokens"]) for r in rows] == [("fast", 4), ("reference", 2)]
     assert all(r["tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 for r in rows)
     assert bench.format_table(rows).count("\n") == 3
+
+
+@pytest.mark.parametrize("device,precision", [
+    ("cpu", "bf16"),
+    pytest.param("cuda", "bf16", marks=gpu), pytest.param("cuda", "nvfp4", marks=gpu),
+    pytest.param("cuda", "quads", marks=gpu)])
+def test_a_compiled_step_decodes_as_the_reference(device, precision):
+    # torch.compile fuses the step's elementwise maths, which may round differently from eager:
+    # greedy tokens stay the reference's; log-probs of the decoding steps within fp32 rounding.
+    torch._dynamo.reset()
+    base = policy(moe=True, device=device)
+    kw = dict(temperature=0.0, max_new_tokens=8, logprobs="sample")
+    ref = RolloutEngine(base, TOK, precision, **kw)
+    fast = FastRolloutEngine(base, TOK, precision, compile_step=True, **kw)
+    with _no_capture_warning():
+        for prompts in (PROMPTS, OTHER):
+            assert_same(ref.generate(prompts), fast.generate(prompts), exact_logprobs=False)
+    assert fast._step is not fast._decode
+    assert fast.captured_graphs == (2 if device == "cuda" else 0)

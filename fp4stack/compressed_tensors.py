@@ -20,6 +20,11 @@ Activations: vLLM's NVFP4 W4A4 needs a static per-tensor activation scale, so a 
 quantizes activations needs a calibrated `x_amax` (`fp4stack.convert.calibrate`); its runtime
 quantizer is plain NVFP4 (1x16, round to nearest). `weight_only=True` exports every layer as W4A16
 (compressed-tensors' NVFP4A16 scheme) instead.
+
+MoE experts are written one linear per expert and projection (`compressed_tensors_moe`), under
+the names of the model's checkpoints. A layer's calibrated QUADS compensation channels (static
+mode) ride in the header metadata too, as `rc_channels`: a tensor of a name vLLM does not know
+would stop its loader.
 """
 
 from __future__ import annotations
@@ -34,14 +39,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import compressed_tensors_moe as moe
 from .api import dequantize, quantize
 from .compressed_tensors_read import (
     META_KEY,
     PACKED_SUFFIXES,
+    RC_KEY,
     WEIGHTS_NAME,
+    compensation_channels,
     join,
     layer_tensor,
+    mapped,
     read_checkpoint,
+    rename,
     weight_spec,
 )
 from .files import publish, temp_path
@@ -91,28 +101,32 @@ def _check_exportable(name: str, layer: QuantLinear, weight_only: bool) -> None:
 
 
 def _collect(model: nn.Module, weight_only: bool):
-    """The quantized layers with the activation amax each is exported with (None: W4A16), and
-    the linear layers left unquantized (the config's ignore list)."""
+    """The quantized layers with the activation amax each is exported with (None: W4A16), the
+    quantized experts modules (with whether W4A4), and the model-side names of what is left
+    unquantized (the config's ignore list: linears, routers, unconverted experts)."""
     quant: list[tuple[str, QuantLinear, torch.Tensor | None]] = []
+    experts: list[tuple[str, nn.Module, bool]] = []
     ignore: list[str] = []
     uncalibrated: list[str] = []
+    stacks = moe.expert_modules(model)
     for name, module in model.named_modules():
-        if callable(getattr(module, "quant_expert_linear", None)):
-            raise NotImplementedError(f"module {name!r}: export of quantized MoE experts is not "
-                                      "supported yet")
-        if isinstance(module, QuantLinear) and weight_spec(module).format != "none":
+        if name in stacks and moe.spec(module) is not None:
+            w4a4 = moe.check_exportable(name, module, weight_only)
+            if w4a4 and module.x_amax is None:
+                uncalibrated.append(name)
+            experts.append((name, module, w4a4))
+        elif name in stacks:
+            ignore += [moe.expert_name(name, e, p) for e in range(moe.dims(module)[0])
+                       for p in moe.PARTS]
+        elif isinstance(module, QuantLinear) and weight_spec(module).format != "none":
             _check_exportable(name, module, weight_only)
             w4a4 = module.recipe.x.format == "nvfp4" and not weight_only
             if w4a4 and module.x_amax is None:
                 uncalibrated.append(name)
-            if module.recipe.compensation is not None and w4a4:
-                warnings.warn(f"layer {name!r}: residual compensation is not part of the "
-                              "compressed-tensors format; the exported layer runs plain W4A4",
-                              stacklevel=3)
             quant.append((name, module, module.x_amax if w4a4 else None))
-        elif isinstance(module, nn.Linear | QuantLinear):
+        elif isinstance(module, nn.Linear | QuantLinear) or moe.is_router(module):
             ignore.append(name)
-    if not quant:
+    if not quant and not experts:
         raise ValueError("save_quantized: the model has no QuantLinear with NVFP4 weights; "
                          "convert it first (fp4stack.quantize_model(model, 'w4a4'))")
     if uncalibrated:
@@ -120,24 +134,38 @@ def _collect(model: nn.Module, weight_only: bool):
             f"{len(uncalibrated)} layers quantize activations but have no calibrated static "
             f"amax, which vLLM's NVFP4 W4A4 needs (e.g. {uncalibrated[:3]}): run "
             "fp4stack.convert.calibrate(model, batches) first, or pass weight_only=True")
-    return quant, ignore
+    return quant, experts, ignore
 
 
-def _unquantized_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def _plain_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The state_dict minus the QuantLinear internals (bias kept, and the weight of unquantized
-    ones), one name per shared storage."""
+    ones) and minus every experts module; and, apart, unconverted experts' weights per expert
+    (`compressed_tensors_moe.plain_tensors`)."""
     sd = model.state_dict()
+    stacks = moe.expert_modules(model)
+    views: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             keep = ("bias",) if _is_nvfp4(module) else ("bias", "weight")
-            for k in module.state_dict():
-                if k not in keep:
-                    sd.pop(join(name, k), None)
+        elif name in stacks:
+            keep = ()
+            if moe.spec(module) is None:
+                views.update(moe.plain_tensors(name, module))
+        else:
+            continue
+        for k in module.state_dict():
+            if k not in keep:
+                sd.pop(join(name, k), None)
+    return sd, views
+
+
+def _unquantized_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with one name per shared storage."""
     # Tied weights (e.g. lm_head = embed_tokens) are saved once, under the first name, as
     # transformers' save_pretrained does; safetensors refuses shared storage anyway.
     seen: set[tuple] = set()
     out: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
+    for k, v in tensors.items():
         key = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.dtype)
         if v.numel() and key in seen:
             continue
@@ -219,10 +247,13 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
 
     Every QuantLinear with NVFP4 weights is stored packed (master weights are quantized as their
     forward does: recipe.w spec and imposed amax). 16x16 weight tiles store exactly in this 1x16
-    layout (a tile's scale repeated on its rows); FP8 weights, K not a multiple of 16, low-rank
-    branches and quantized MoE experts raise an error naming the layer. Other
-    tensors (embeddings, norms, lm_head, unconverted linears) are saved as they are, under their
-    state_dict names; unconverted linears go to the config's `ignore` list.
+    layout (a tile's scale repeated on its rows); FP8 weights, K not a multiple of 16 and
+    low-rank branches raise an error naming the layer. Quantized MoE experts are written one
+    linear per expert (`compressed_tensors_moe`). Other tensors (embeddings, norms, lm_head,
+    unconverted linears) are saved as they are, under their state_dict names (for a
+    transformers MoE model, its checkpoints' names); unconverted linears and experts and the
+    routers go to the config's `ignore` list. Calibrated static compensation channels are kept
+    in the header metadata.
 
     config: the config.json to extend (a dict or a transformers config); default `model.config`
         when it has one, else a config.json holding only `quantization_config`.
@@ -232,20 +263,32 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
     """
     from safetensors.torch import save_file
 
-    quant, ignore = _collect(model, weight_only)
-    tensors = _unquantized_tensors(model)
+    quant, experts, ignore = _collect(model, weight_only)
+    state, views = _plain_state(model)
+    names = moe.checkpoint_names(model, list(state), [n for n, _, _ in quant],
+                                 moe.expert_modules(model))
+    tensors = {mapped(names, k): v for k, v in _unquantized_tensors(state | views).items()}
+    ignore = [names[n] if n in names else mapped(names, f"{n}.weight").removesuffix(".weight")
+              for n in ignore]
     groups: dict[str, list[str]] = {"w4a4": [], "w4a16": []}
     meta: dict[str, dict[str, Any]] = {}
     w_scales: dict[str, torch.Tensor] = {}
     x_scales: dict[str, torch.Tensor] = {}
+    units = [(name, _weight_tensor(name, layer), x_amax) for name, layer, x_amax in quant]
+    units += [u for name, module, w4a4 in experts for u in moe.export_units(name, module, w4a4)]
+    channels = {name: layer.rc_channels for name, layer, _ in quant
+                if layer.rc_channels is not None}
     with torch.no_grad():
-        for name, layer, x_amax in quant:
-            t = _weight_tensor(name, layer).to("cpu")
+        for unit, t, x_amax in units:
+            name = names[unit]
+            t = t.to("cpu")
             gs = global_encode_scale(t.amax, t.spec.scale_max).reshape(1)
             tensors[join(name, "weight_packed")] = t.data
             tensors[join(name, "weight_scale")] = t.scales
             tensors[join(name, "weight_global_scale")] = w_scales[name] = gs
             meta[name] = {"amax": t.amax.item().hex(), "spec": t.spec.to_dict()}
+            if unit in channels:
+                meta[name][RC_KEY] = channels[unit].tolist()
             if x_amax is not None:
                 x_amax = x_amax.detach().float().cpu().reshape(())
                 # vLLM quantizes activations with plain NVFP4: E4M3 max 448, whatever the spec.
@@ -282,7 +325,8 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
 
 
 @torch.no_grad()
-def _fill(layer: QuantLinear, t: NVFP4Tensor, x_amax: torch.Tensor | None) -> None:
+def _fill(layer: QuantLinear, t: NVFP4Tensor, x_amax: torch.Tensor | None,
+          channels: torch.Tensor | None) -> None:
     if layer.weight is None:
         layer.write_packed("weight", [t])
         dev = layer.packed_weight.device
@@ -293,6 +337,8 @@ def _fill(layer: QuantLinear, t: NVFP4Tensor, x_amax: torch.Tensor | None) -> No
             layer.weight_amax.copy_(t.amax.to(dev))
     if x_amax is not None:
         layer.x_amax = x_amax.to(dev)
+    if channels is not None:
+        layer.rc_channels = channels.to(dev)
 
 
 def load_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -301,9 +347,11 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     Packed layers get their codes, scales and amax bit for bit; master-weight layers get the
     dequantized values (and, when they have a `weight_amax` buffer, the checkpoint's amax, so
     that their forward re-quantizes to the same values, except in blocks whose E4M3 scale is
-    subnormal); `input_global_scale` sets `x_amax`. Other
-    tensors are copied by state_dict name. Checkpoints of other tools (llm-compressor) load too;
-    their amax is derived from the global scale (one fp32 ulp from the original at most).
+    subnormal); `input_global_scale` sets `x_amax`, stored compensation channels `rc_channels`.
+    Quantized experts are filled likewise from their per-expert linears. Other tensors are
+    copied by name (the names `save_quantized` writes). Checkpoints of other tools
+    (llm-compressor) load too; their amax is derived from the global scale (one fp32 ulp from
+    the original at most).
     Nothing read is trusted (`fp4stack.compressed_tensors_read`): a truncated or foreign file,
     an index entry outside `directory`, malformed metadata, missing or unexpected keys, mismatched
     shapes, and NaN, infinite, negative or zero scales or amaxes raise ValueError naming the file
@@ -311,15 +359,22 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     """
     directory = Path(directory)
     ckpt = read_checkpoint(directory)
-    tensors = ckpt.tensors
     quant = [(n, m) for n, m in model.named_modules()
              if isinstance(m, QuantLinear) and _is_nvfp4(m)]
-    if not quant:
+    stacks = moe.expert_modules(model)
+    experts = [(n, m) for n, m in stacks.items() if moe.spec(m) is not None]
+    if not quant and not experts:
         raise ValueError("load_quantized: the model has no QuantLinear with NVFP4 weights; "
                          "convert it first (fp4stack.quantize_model) as it was before saving")
-    plain = _unquantized_tensors(model)
-    required = set(plain) | {join(n, s) for n, _ in quant for s in PACKED_SUFFIXES}
-    optional = {join(n, "input_global_scale") for n, _ in quant}
+    state, views = _plain_state(model)
+    names = moe.checkpoint_names(model, list(state), [n for n, _ in quant], stacks)
+    rename(ckpt, {v: k for k, v in names.items()})
+    tensors = ckpt.tensors
+    plain = _unquantized_tensors(state | views)
+    units = [n for n, _ in quant] + [moe.expert_name(n, e, p) for n, m in experts
+                                     for e in range(moe.dims(m)[0]) for p in moe.PARTS]
+    required = set(plain) | {join(u, s) for u in units for s in PACKED_SUFFIXES}
+    optional = {join(u, "input_global_scale") for u in units}
     missing = sorted(required - set(tensors))
     unexpected = sorted(set(tensors) - required - optional)
     if missing or unexpected:
@@ -331,9 +386,13 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
             raise ValueError(f"{ckpt.where(key)}: the checkpoint has shape "
                              f"{tuple(tensors[key].shape)}, the model {tuple(target.shape)}")
     # Everything is checked before anything is copied: a failed load leaves the model as it was.
-    layers = [(layer, *layer_tensor(name, layer, ckpt)) for name, layer in quant]
+    layers = [(layer, *layer_tensor(name, layer, ckpt),
+               compensation_channels(name, layer.in_features, ckpt)) for name, layer in quant]
+    stacked = [(module, *moe.read_units(name, module, ckpt)) for name, module in experts]
     with torch.no_grad():
         for key, target in plain.items():
             target.copy_(tensors[key])
-    for layer, t, x_amax in layers:
-        _fill(layer, t, x_amax)
+    for layer, t, x_amax, channels in layers:
+        _fill(layer, t, x_amax, channels)
+    for module, gate_up, down, x_amax in stacked:
+        moe.fill(module, gate_up, down, x_amax)

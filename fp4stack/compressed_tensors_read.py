@@ -24,6 +24,7 @@ from .nn.linear import QuantLinear
 WEIGHTS_NAME = "model.safetensors"
 META_KEY = "fp4stack.nvfp4"
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+RC_KEY = "rc_channels"  # a layer's calibrated QUADS compensation channels, in the metadata
 
 
 def join(prefix: str, name: str) -> str:
@@ -42,9 +43,10 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     origin: dict[str, Path] = field(default_factory=dict)
     meta: dict[str, tuple[dict[str, Any], Path]] = field(default_factory=dict)
+    stored: dict[str, str] = field(default_factory=dict)  # model name -> name in the file
 
     def where(self, key: str) -> str:
-        return f"{self.origin[key]}: {key}"
+        return f"{self.origin[key]}: {self.stored.get(key, key)}"
 
 
 def _shards(directory: Path) -> list[Path]:
@@ -88,6 +90,10 @@ def _layer_meta(file: Path, text: str) -> dict[str, dict[str, Any]]:
         for key in ("amax", "x_amax"):
             if key in info and not isinstance(info[key], str):
                 raise ValueError(f"{where}[{name!r}].{key} must be a float.hex() string")
+        channels = info.get(RC_KEY, [])
+        if not isinstance(channels, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in channels):
+            raise ValueError(f"{where}[{name!r}].{RC_KEY} must be a list of channel indices")
     return meta
 
 
@@ -144,8 +150,14 @@ def _expect(ckpt: Checkpoint, key: str, shape: tuple, dtype: torch.dtype) -> Non
 def layer_tensor(name: str, layer: QuantLinear, ckpt: Checkpoint
                  ) -> tuple[NVFP4Tensor, torch.Tensor | None]:
     """The checked NVFP4 weight of one layer and its activation amax (None when not stored)."""
-    n, k = layer.out_features, layer.in_features
-    spec = weight_spec(layer)
+    return unit_tensor(name, (layer.out_features, layer.in_features), weight_spec(layer), ckpt)
+
+
+def unit_tensor(name: str, shape: tuple[int, int], spec: QuantSpec, ckpt: Checkpoint
+                ) -> tuple[NVFP4Tensor, torch.Tensor | None]:
+    """The checked NVFP4 weight stored under `name` (a linear layer, or one projection of one
+    expert) of logical `shape` and `spec`, and its activation amax (None when not stored)."""
+    n, k = shape
     data, scales, gs = (join(name, s) for s in PACKED_SUFFIXES)
     _expect(ckpt, data, (n, k // 2), torch.uint8)
     _expect(ckpt, scales, (n, k // 16), torch.float8_e4m3fn)
@@ -160,3 +172,36 @@ def layer_tensor(name: str, layer: QuantLinear, ckpt: Checkpoint
     x_key = join(name, "input_global_scale")
     x_amax = _amax(ckpt, name, "x_amax", x_key, 448.0) if x_key in ckpt.tensors else None
     return t, x_amax
+
+
+def compensation_channels(name: str, k: int, ckpt: Checkpoint) -> torch.Tensor | None:
+    """The compensation channels stored for layer `name` (int64, ascending), checked to be
+    distinct indices in [0, k); None when the checkpoint has none for it."""
+    info, file = ckpt.meta.get(name, ({}, None))
+    if RC_KEY not in info:
+        return None
+    channels = info[RC_KEY]
+    if len(set(channels)) != len(channels) or not all(0 <= c < k for c in channels):
+        raise ValueError(f"{file}: metadata field {META_KEY!r}[{name!r}].{RC_KEY} must hold "
+                         f"distinct channel indices in [0, {k}), got {channels[:8]}"
+                         f"{' ...' if len(channels) > 8 else ''}")
+    return torch.tensor(sorted(channels), dtype=torch.int64)
+
+
+def mapped(names: dict[str, str], key: str) -> str:
+    """`key` renamed by `names`, which maps tensor names, and layer names whose tensors are
+    `<layer>.<suffix>`; a key it does not cover stays as it is."""
+    if key in names:
+        return names[key]
+    prefix, dot, suffix = key.rpartition(".")
+    return f"{names[prefix]}.{suffix}" if dot and prefix in names else key
+
+
+def rename(ckpt: Checkpoint, to_model: dict[str, str]) -> None:
+    """Key the checkpoint's tensors and metadata by the model's names (`to_model`, see
+    `mapped`), in place; names it lacks stay as they are (and are then reported as
+    unexpected). Errors still name a tensor as the file does."""
+    ckpt.stored = {mapped(to_model, k): k for k in ckpt.tensors}
+    ckpt.tensors = {mapped(to_model, k): v for k, v in ckpt.tensors.items()}
+    ckpt.origin = {mapped(to_model, k): v for k, v in ckpt.origin.items()}
+    ckpt.meta = {to_model.get(k, k): v for k, v in ckpt.meta.items()}

@@ -19,7 +19,12 @@ from torch import nn
 from .nn.fused import FUSED_GROUPS
 from .nn.linear import QuantLinear
 from .nn.moe import Experts
-from .nn.quant_experts import QuantExperts, QuantHFExperts, is_hf_fused_experts
+from .nn.quant_experts import (
+    ExpertQuantization,
+    QuantExperts,
+    QuantHFExperts,
+    is_hf_fused_experts,
+)
 from .nn.recipe import Recipe
 from .nn.recipe import recipe as get_recipe
 
@@ -194,9 +199,10 @@ def _pack(model: nn.Module) -> None:
 def calibrate(model: nn.Module, batches, forward=None) -> int:
     """Run `batches` through `model` and fix, in every QuantLinear, the static activation amax
     (used when the recipe has activation_amax="static") and the residual-compensation channels
-    (used in compensation mode "static"). `forward(model, batch)` defaults to `model(batch)`.
+    (used in compensation mode "static"), and in quantized MoE experts each expert's activation
+    amax per projection. `forward(model, batch)` defaults to `model(batch)`.
     Returns the number of batches seen."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear | ExpertQuantization)]
     if not layers:
         raise ValueError("calibrate: the model has no QuantLinear; run quantize_model first")
     for m in layers:

@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "convert": 5,
     "compressed_tensors": 5,
     "compressed_tensors_read": 5,
+    "compressed_tensors_moe": 5,
     "data": 5,
     "analysis": 6,
     "train": 7,

@@ -1,7 +1,10 @@
 """Quantized MoE experts: stacked expert weights whose every GEMM follows a Recipe.
 
 Each expert's weight is quantized on its own (its own global amax, as inference engines store
-one global scale per expert; the fused gate/up weight of an expert shares one). Two front ends
+one global scale per expert; the fused gate/up weight of an expert shares one). Calibration
+(`fp4stack.convert.calibrate`) records each expert's activation amax per projection in `x_amax`
+[2, E] (row 0: the gate/up input, row 1: the down input), which a static-amax recipe uses and
+the compressed-tensors export writes as input scales. Two front ends
 share the maths: fp4stack's `Experts` (its `expert_linear` hook) and the fused experts of
 transformers 5.x (Qwen3-MoE, OLMoE, Mixtral: forward(hidden_states, top_k_index, top_k_weights)).
 """
@@ -30,8 +33,15 @@ class ExpertQuantization(PackedState):
 
     def _init_quantization(self, recipe: Recipe) -> None:
         self.recipe = recipe
+        self.register_buffer("x_amax", None)  # calibrated [2, E]: gate_up, down inputs
+        self._calibration: dict | None = None
         if recipe.weight_storage == "packed":
             self.pack()
+
+    def expert_count(self) -> int:
+        """E, from the master stack or the packed one."""
+        w = getattr(self, "gate_up_proj", None)
+        return w.shape[0] if w is not None else self.packed_slots()["gate_up"].count
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -63,6 +73,8 @@ class ExpertQuantization(PackedState):
         recipe's activations are unquantized or NVFP4 1x16 round-to-nearest (each expert's rows
         with their own amax, as the loop); None otherwise (master weights, FP8, stochastic
         rounding or 16x16 activations), which keeps the per-expert loop."""
+        if self._calibration is not None or self._static_x_amax():
+            return None  # the loop records, or applies, each expert's own activation amax
         if getattr(self, "gate_up_proj", None) is not None:
             return self._fp8_grouped_operands()
         from ..kernels.packed_gemm import rows_fake_quantize_supported
@@ -106,11 +118,37 @@ class ExpertQuantization(PackedState):
             self.fp8_stack(proj)
 
     def quant_expert_linear(self, x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
+        row = _PROJS.index(proj)
+        if self._calibration is not None and x.numel():
+            seen = self._calibration["amax"]
+            seen[row, e] = torch.maximum(seen[row, e], x.detach().abs().amax().float().cpu())
+        x_amax = self.x_amax[row, e] if self._static_x_amax() else None
         w = getattr(self, f"{proj}_proj")
         if w is None:
             packed = dequantize(self.read_packed(proj, e), x.dtype)
-            return quant_linear(x, None, None, self.recipe, packed=packed)
-        return quant_linear(x, w[e], None, self.recipe)
+            return quant_linear(x, None, None, self.recipe, packed=packed, x_amax=x_amax)
+        return quant_linear(x, w[e], None, self.recipe, x_amax=x_amax)
+
+    def _static_x_amax(self) -> bool:
+        return self.recipe.activation_amax == "static" and self.x_amax is not None
+
+    # ---- calibration ---------------------------------------------------------------------
+    def start_calibration(self) -> None:
+        """Record each expert's activation amax, per projection, over the following forwards."""
+        self._calibration = {"amax": torch.zeros(2, self.expert_count())}
+
+    def finish_calibration(self) -> None:
+        """Fix `x_amax`. An expert no calibration token reached takes the largest amax of its
+        projection over the other experts (its input has the same distribution, and an amax of
+        0 would zero its activations)."""
+        if self._calibration is None:
+            raise RuntimeError("finish_calibration() called without start_calibration()")
+        amax = self._calibration["amax"]
+        amax = torch.where(amax > 0, amax, amax.amax(dim=1, keepdim=True))
+        w = getattr(self, "gate_up_proj", None)
+        dev = w.device if w is not None else self.read_packed("gate_up", 0).data.device
+        self.x_amax = amax.to(dev)
+        self._calibration = None
 
 
 class QuantExperts(ExpertQuantization, Experts):

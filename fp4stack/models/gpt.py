@@ -47,6 +47,8 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qk_norm: bool = True  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    qk_norm_scope: str = "head"  # "head": per head (Qwen3); "projection": over all of
+    # q_proj's and k_proj's outputs, before the split into heads (OLMoE)
     tie_embeddings: bool = False
     moe: bool = False  # every block's MLP is an MoEBlock
     n_experts: int = 8
@@ -77,6 +79,9 @@ class GPTConfig:
                              "(or set head_dim)")
         if self.head_size < 2 or self.head_size % 2:
             raise ValueError(f"GPTConfig.head_dim={self.head_size} must be even for RoPE")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"GPTConfig.qk_norm_scope must be 'head' or 'projection', got "
+                             f"{self.qk_norm_scope!r}")
         if self.top_k > self.n_experts:
             raise ValueError(f"GPTConfig.top_k={self.top_k} must be <= n_experts="
                              f"{self.n_experts}")
@@ -160,16 +165,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # Over the whole projection (OLMoE) the norms see all heads at once: sizes H*hd, Hkv*hd.
+        self.qk_norm_heads = cfg.qk_norm_scope == "head"
+        q_size, k_size = ((self.head_dim, self.head_dim) if self.qk_norm_heads
+                          else (cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim))
+        self.q_norm = nn.RMSNorm(q_size, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(k_size, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 mask: Tensor | None = None) -> Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and not self.qk_norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -17,7 +17,9 @@ from fp4stack.optim.state_format import DEFAULT_FORMAT
 from fp4stack.optim.state_transforms import TRANSFORMS, decode_state, encode_state, get_transform
 
 NAMES = list(TRANSFORMS)
-INCREASING = [n for n in NAMES if n != "rsqrt"]  # stored grows with v (rsqrt shrinks)
+# Stored grows with v, zeros lifted to a floor (rsqrt shrinks; a centered transform stores
+# signed Hadamard coefficients: tests/test_adamw4_centered.py).
+INCREASING = [n for n in NAMES if n != "rsqrt" and not TRANSFORMS[n].centered]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEFAULT_HEADROOM = DEFAULT_FORMAT.headroom

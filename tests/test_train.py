@@ -27,7 +27,7 @@ from fp4stack.nn.attention_ablation import AttentionAblation
 from fp4stack.nn.attention_quant import NVFP4_SR, NVFP4_TILES
 from fp4stack.nn.recipe import LowRank
 from fp4stack.nn.recipe import recipe as get_recipe
-from fp4stack.optim import AdamW4, Muon4
+from fp4stack.optim import ROOT, AdamW4, Muon4
 from fp4stack.train import NonFiniteLossError, from_dict, load_config, read_metrics, train
 from fp4stack.train import checkpoint as ckpt_mod
 from fp4stack.train import trainer as trainer_mod
@@ -35,6 +35,7 @@ from fp4stack.train.checkpoint import checkpoint_dirs, latest_checkpoint
 from fp4stack.train.determinism import CUBLAS_WORKSPACE, deterministic_algorithms
 from fp4stack.train.optimizers import (
     OptimizerChoice,
+    build_from_config,
     build_optimizer,
     optimizer_of,
     param_groups,
@@ -589,7 +590,7 @@ def test_cli_pretrain(data, tmp_path, capsys):
     assert "recipe file" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer", ["adamw4", "muon", "muon4"])
+@pytest.mark.parametrize("optimizer", ["adamw4", "muon", "muon4", "root4"])
 def test_nvfp4_state_optimizers_train_and_resume_exactly(data, tmp_path, optimizer):
     # dim 64: the 64x64 and 128x64 matrices are large enough (4096 values) for NVFP4 states.
     model = {"preset": "tiny", "dim": 64, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1,
@@ -607,17 +608,40 @@ def test_unknown_optimizer_is_refused(data, tmp_path):
     with pytest.raises(ValueError, match="optimizer 'adam' is unknown"):
         config(data, tmp_path, optimizer="adam")
     with pytest.raises(ValueError, match=r"config: optimizer 4 is unknown; choose one of "
-                                         r"\['adamw', 'muon'\] \(the recipe's optimizer_states"):
+                                         r"\['adamw', 'muon', 'root'\] \(the recipe's "
+                                         r"optimizer_states"):
         config(data, tmp_path, optimizer=4)
     with pytest.raises(ValueError, match=r"optimizer_states must be one of \['fp32', 'nvfp4'\], "
                                          "got 'fp16'"):
         resolve_optimizer("adamw", "fp16")
 
 
+@pytest.mark.parametrize("optimizer", ["adamw4", "root4"])
+def test_adamw4_transform_reaches_the_adamw4_states(data, tmp_path, optimizer):
+    cfg = config(data, tmp_path, optimizer=optimizer, adamw4_transform="sqrt-center-hadamard")
+    model = GPT(cfg.model_config(VOCAB))
+    opt = build_from_config(model, cfg)
+    adamw4 = opt if isinstance(opt, AdamW4) else opt.adamw
+    assert adamw4.state_format.transform == "sqrt-center-hadamard"
+    default = build_from_config(model, config(data, tmp_path, optimizer=optimizer))
+    assert (default if isinstance(default, AdamW4) else default.adamw).state_format.transform \
+        == "rank1"
+
+
+def test_bad_adamw4_transform_is_refused(data, tmp_path):
+    with pytest.raises(ValueError, match=r"adamw4_transform 'hadamard' is unknown; choose one "
+                                         r"of \[.*'sqrt-center-hadamard'"):
+        config(data, tmp_path, optimizer="adamw4", adamw4_transform="hadamard")
+    with pytest.raises(ValueError, match="adamw4_transform: optimizer 'root' with recipe 'bf16' "
+                                         "keeps fp32 states"):
+        config(data, tmp_path, optimizer="root", adamw4_transform="sqrt")
+
+
 @pytest.mark.parametrize("optimizer,recipe,name", [
     ("adamw", "bf16", "adamw"), ("adamw", "fullstack", "adamw4"), ("adamw4", "bf16", "adamw4"),
     ("adamw4", "fullstack", "adamw4"), ("muon", "bf16", "muon"), ("muon", "fullstack", "muon4"),
-    ("muon4", "bf16", "muon4"), ("muon4", "fullstack", "muon4")])
+    ("muon4", "bf16", "muon4"), ("muon4", "fullstack", "muon4"), ("root", "bf16", "root"),
+    ("root", "fullstack", "root4"), ("root4", "bf16", "root4")])
 def test_optimizer_is_the_configs_with_the_recipes_states(data, tmp_path, optimizer, recipe, name):
     # The config names the algorithm, the recipe the state format; adamw4 and muon4 (older
     # configs) name NVFP4 states whatever the recipe.
@@ -628,10 +652,11 @@ def test_optimizer_is_the_configs_with_the_recipes_states(data, tmp_path, optimi
     model = GPT(cfg.model_config(VOCAB))
     opt = build_optimizer(model, choice, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                           weight_decay=cfg.weight_decay, muon_lr=0.02, seed=0)
-    kind = {"adamw": torch.optim.AdamW, "adamw4": AdamW4, "muon": Muon4, "muon4": Muon4}[name]
+    kind = {"adamw": torch.optim.AdamW, "adamw4": AdamW4, "muon": Muon4, "muon4": Muon4,
+            "root": ROOT, "root4": ROOT}[name]
     assert type(opt) is kind and all("lr_scale" in g for g in opt.param_groups)
-    if kind is Muon4:
-        assert opt.quantize == (name == "muon4")
+    if kind in (Muon4, ROOT):
+        assert opt.quantize == name.endswith("4")
         assert {g["lr_scale"] for g in opt.param_groups} == {1.0, 0.02 / cfg.lr}
 
 

@@ -2,8 +2,9 @@
 
 A quantized moment is an NVFP4 tensor kept as three state tensors `<moment>_data` (uint8, two
 E2M1 codes per byte), `<moment>_scales` (float8_e4m3fn, one per 1x16 block) and `<moment>_amax`
-(fp32 0-d), plus `<moment>_next_amax` (delayed scaling's amax for the next step); a factored
-transform adds the fp32 roots of v's rank-1 factors, `exp_avg_sq_row` and `exp_avg_sq_col`.
+(fp32 0-d), plus `<moment>_next_amax` (delayed scaling's amax for the next step); a
+transform's side factors are `exp_avg_sq_<side>`: a factored one's fp32 roots of v's rank-1
+factors, `exp_avg_sq_row` and `exp_avg_sq_col`, a centered one's fp32 mean, `exp_avg_sq_mean`.
 Tensors that keep fp32 states hold `exp_avg` and `exp_avg_sq` instead. The fused step
 (kernels/adamw4.py) rewrites the same fields in place, bit for bit as `store_moments` does.
 """
@@ -121,9 +122,7 @@ def store_moments(state: dict[str, Tensor], fmt: StateFormat, seed: int, index: 
 def read_v(state: dict[str, Tensor], transform: Transform, shape: torch.Size
            ) -> tuple[Tensor, Tensor]:
     """v as stored in `state`, and its square root (state_transforms.read_state)."""
-    factors = None
-    if transform.factored:
-        factors = (state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+    factors = tuple(state[f"exp_avg_sq_{side}"] for side in transform.side) or None
     return read_state(_nvfp4(state, "exp_avg_sq", shape), transform, factors)
 
 
@@ -148,10 +147,10 @@ def _nvfp4(state: dict[str, Tensor], name: str, shape: torch.Size) -> NVFP4Tenso
 
 
 def _encode_v(state: dict[str, Tensor], transform: Transform, v: Tensor) -> Tensor:
-    """The stored form of v; a factored transform's factors go into `state`."""
+    """The stored form of v; a transform's side factors go into `state`."""
     stored, factors = encode_state(v, transform)
-    if factors is not None:
-        state["exp_avg_sq_row"], state["exp_avg_sq_col"] = factors
+    for side, factor in zip(transform.side, factors or (), strict=True):
+        state[f"exp_avg_sq_{side}"] = factor
     return stored
 
 

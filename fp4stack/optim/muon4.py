@@ -10,6 +10,10 @@ same optimizer, so one `.step()` updates the whole model.
 `quantize=False` is plain Muon in the same optimizer (only the Newton-Schulz step and the momentum
 storage change): its results equal torch.optim.Muon's bit for bit (bf16 Newton-Schulz, the same
 lr conventions) and the other parameters get torch's fp32 AdamW.
+
+Two per-group options turn it into ROOT (arXiv 2511.20626; optim/root.py names the pair):
+`ns_coefficients="root"` (shape-adaptive Newton-Schulz coefficients) and `outlier_quantile`
+(the soft-threshold of outliers before orthogonalising); see optim/root_ns.py.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from .adamw4 import AdamW4
 from .newton_schulz import _NS_DTYPES, NS_SPEC, GraphedNewtonSchulz, newton_schulz
+from .root_ns import NS_COEFFICIENT_KINDS, clip_outliers, ns_coefficients
+from .state_format import StateFormat
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 _ROUNDINGS = ("stochastic", "rne")
@@ -136,6 +142,11 @@ class Muon4(torch.optim.Optimizer):
     cuda_graphs=True: on CUDA each matrix shape's Newton-Schulz is captured once as a CUDA
     graph and replayed (the same kernels, so the same bits; the step is otherwise bound by
     hundreds of small kernel launches per matrix).
+    ns_coefficients: "muon" (Keller Jordan's, every shape) or "root" (per matrix shape,
+    optim/root_ns.root_coefficients). outlier_quantile: None (no clipping) or q in (0, 1]: U is
+    replaced by clamp(U, -eps, eps), eps the q-quantile of |U| per matrix, before Newton-Schulz
+    (ROOT's soft-threshold split, optim/root_ns.clip_outliers). Both may differ per group.
+    adamw_state_format: the StateFormat of the AdamW4 part (quantize=True; None: its default).
 
     Which parameters get AdamW: `adamw_params` (tensors or groups), groups of `params` marked
     {"use_muon": False}, and every parameter of `params` with fewer than 2 or more than 3 dims.
@@ -165,6 +176,9 @@ class Muon4(torch.optim.Optimizer):
         quantize_ns: bool | None = None,
         quantize_state: bool | None = None,
         cuda_graphs: bool = True,
+        ns_coefficients: str = "muon",
+        outlier_quantile: float | None = None,
+        adamw_state_format: StateFormat | None = None,
     ) -> None:
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -177,11 +191,16 @@ class Muon4(torch.optim.Optimizer):
         self.quantize_ns = quantize if quantize_ns is None else quantize_ns
         self.quantize_state = quantize if quantize_state is None else quantize_state
         self.seed, self.ns_dtype, self.state_rounding = seed, ns_dtype, state_rounding
+        if adamw_state_format is not None and not isinstance(adamw_state_format, StateFormat):
+            raise ValueError(f"adamw_state_format must be a StateFormat or None, got "
+                             f"{adamw_state_format!r}")
+        self.adamw_state_format = adamw_state_format
         # CUDA matrices: Newton-Schulz replayed from one CUDA graph per shape (same bits).
         self._ns = GraphedNewtonSchulz() if cuda_graphs else newton_schulz
         self.muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                   weight_decay=weight_decay, ns_steps=ns_steps,
-                                  adjust_lr_fn=adjust_lr_fn, use_muon=True)
+                                  adjust_lr_fn=adjust_lr_fn, ns_coefficients=ns_coefficients,
+                                  outlier_quantile=outlier_quantile, use_muon=True)
         self.adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                    weight_decay=adamw_weight_decay, use_muon=False)
         self.adamw: torch.optim.Optimizer | None = None
@@ -204,7 +223,9 @@ class Muon4(torch.optim.Optimizer):
         if self.adamw is not None:
             self.adamw.add_param_group(inner)
         elif self.quantize:
-            self.adamw = AdamW4([inner], seed=self.seed)
+            fmt = {} if self.adamw_state_format is None else {
+                "state_format": self.adamw_state_format}
+            self.adamw = AdamW4([inner], seed=self.seed, **fmt)
         else:
             self.adamw = torch.optim.AdamW([inner], foreach=False)
 
@@ -253,9 +274,16 @@ class Muon4(torch.optim.Optimizer):
         rows, cols = p.shape[-2:]
         lr_adj = adjusted_lr(group["lr"], rows, cols, group["adjust_lr_fn"])
         spec = NS_SPEC if self.quantize_ns else None
+        # Groups saved before ROOT's options existed lack them: plain Muon.
+        coefficients = ns_coefficients(group.get("ns_coefficients", "muon"), rows, cols,
+                                       group["ns_steps"])
+        quantile = group.get("outlier_quantile")
         p.mul_(1 - group["lr"] * group["weight_decay"])
         for w, u in zip(p.view(-1, rows, cols), update.view(-1, rows, cols), strict=True):
-            w.add_(self._ns(u, group["ns_steps"], spec, dtype=self.ns_dtype), alpha=-lr_adj)
+            if quantile is not None:
+                u = clip_outliers(u, quantile)
+            w.add_(self._ns(u, group["ns_steps"], spec, dtype=self.ns_dtype,
+                            coefficients=coefficients), alpha=-lr_adj)
 
     def _state_spec(self) -> QuantSpec:
         return QuantSpec(rounding=self.state_rounding, nan_policy="propagate")
@@ -348,3 +376,11 @@ def _check_muon_group(group: dict[str, Any]) -> None:
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, "
                          f"got {group['adjust_lr_fn']!r}")
+    if group["ns_coefficients"] not in NS_COEFFICIENT_KINDS:
+        raise ValueError(f"ns_coefficients must be one of {NS_COEFFICIENT_KINDS}, "
+                         f"got {group['ns_coefficients']!r}")
+    q = group["outlier_quantile"]
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int | float)
+                          or not 0.0 < q <= 1.0):
+        raise ValueError(f"outlier_quantile must be None (no clipping) or a number in (0, 1], "
+                         f"e.g. 0.9 as in ROOT, got {q!r}")

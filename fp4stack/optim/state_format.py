@@ -29,8 +29,10 @@ GROUP_KEYS = {"transform": "transform", "rounding": "state_rounding",
 class StateFormat:
     """The encoding of AdamW4's moments (for studies; the defaults are the method).
 
-    transform: how v is stored: "rank1", "sqrt", "pow4", "log", "rsqrt", "v" (raw), or "none"
-        (fp32 states, torch's AdamW bit for bit); see state_transforms.
+    transform: how v is stored: "rank1", "sqrt", "pow4", "log", "rsqrt", "v" (raw),
+        "sqrt-center-hadamard" (Full-Stack FP4's: sqrt, tensor mean removed, 16-point Hadamard;
+        the reference step only), or "none" (fp32 states, torch's AdamW bit for bit); see
+        state_transforms.
     rounding: of the stored states: "stochastic" (unbiased, so EMA increments below FP4's
         spacing are not lost; reproducible from AdamW4's seed) or "rne" (round to nearest;
         small increments vanish and states go stale).

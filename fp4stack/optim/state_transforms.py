@@ -9,7 +9,8 @@ inside a block is smaller; the optimizer quantizes `stored` and reads v back thr
 Each transform is a pair `encode(v) -> stored`, `decode(stored) -> v` (fp32 in, fp32 out), exact
 inverses up to fp32 rounding: "v" (v itself: a block keeps a 12x range of v), "sqrt" (144x),
 "pow4" (v^(1/4): ~2e4x, at 4x the relative error), "log" (log(v + t) - log(t): an absolute
-grid), "rsqrt" (1 / (sqrt(v) + c)) and "rank1". Quantization still rounds small stored values to
+grid), "rsqrt" (1 / (sqrt(v) + c)), "rank1" and "sqrt-center-hadamard" (both below, with side
+factors kept in fp32). Quantization still rounds small stored values to
 zero; `floor_zeros` lifts each zero to the largest value it can stand for (`block_floor`). For
 the increasing transforms that means v is overestimated, a smaller (safe) step; for "rsqrt" it
 means a smaller v, a larger step, which is why rsqrt is kept only as a measured counter-example.
@@ -21,6 +22,14 @@ v ~ delta^2 x^2, spanning as many decades along a block as the inputs x do, and 
 the rows' gradients do) never reaches the quantizer. It stores sqrt(v) x (1 / sqrt(n)) and
 reads the root of v back as stored x sqrt(n), so decoding rounds no square root of its own.
 How the transforms compare in training: docs/results/optimizers.md.
+
+"sqrt-center-hadamard" (Full-Stack FP4's transform of v) stores H(sqrt(v) - mu): the root of v
+minus its tensor mean mu (an fp32 side factor), through the 16-point random Hadamard transform
+of formats/hadamard.py over the quantizer's blocks. A block of roots is one offset plus small
+deviations; removing the offset and spreading the deviations over all 16 codes leaves values of
+like magnitude, which E2M1 quantizes with a smaller error than the raw roots. The stored values
+are signed, so no zero is lifted to a floor; decoding is the exact inverse (inverse transform,
+add mu, clamp at 0, square). Why one mean per tensor: docs/results/optimizers.md.
 
 Rounding is pinned down so that the fused Triton step (fp4stack/kernels/adamw4.py) gives the same
 bits: square roots are correctly rounded (`sqrt_rn`), and the roots of the rank-1 factors come
@@ -38,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..api import dequantize
+from ..formats.hadamard import rht, rht_inverse
 from ..formats.tensor import BLOCK, NVFP4Tensor
 
 # Offset of the log transform: v below this is indistinguishable from 0 (fp32 normals end at
@@ -152,12 +162,22 @@ class Transform:
 
     factored: the stored value is encode(v / n) for v's rank-1 estimate n (computed through the
     roots of its factors, which the caller keeps: see encode_state).
+    centered: the stored value is the Hadamard transform of encode(v) minus its tensor mean,
+    which the caller keeps; encode and decode are then the element-wise part (sqrt).
     """
 
     name: str
     encode: Callable[[Tensor], Tensor]
     decode: Callable[[Tensor], Tensor]
     factored: bool = False
+    centered: bool = False
+
+    @property
+    def side(self) -> tuple[str, ...]:
+        """Names of the fp32 side factors encode_state returns, in order (none for most)."""
+        if self.factored:
+            return ("row", "col")
+        return ("mean",) if self.centered else ()
 
 
 TRANSFORMS: dict[str, Transform] = {
@@ -169,6 +189,7 @@ TRANSFORMS: dict[str, Transform] = {
         Transform("log", encode_log, decode_log),
         Transform("rsqrt", encode_rsqrt, decode_rsqrt),
         Transform("rank1", encode_sqrt, decode_sqrt, factored=True),
+        Transform("sqrt-center-hadamard", encode_sqrt, decode_sqrt, centered=True),
     )
 }
 
@@ -200,12 +221,24 @@ def floor_zeros(stored: Tensor, floor: Tensor) -> Tensor:
     return torch.where(stored == 0, floor, stored)
 
 
-Factors = tuple[Tensor, Tensor] | None
+Factors = tuple[Tensor, ...] | None
+
+
+def tensor_mean(x: Tensor) -> Tensor:
+    """The mean of x as a 0-d float32 tensor: a float64 sum, so that it does not depend on the
+    order of the additions (see rank1_roots), rounded once."""
+    return (x.double().sum() * (1.0 / max(x.numel(), 1))).float()
 
 
 def encode_state(v: Tensor, transform: Transform) -> tuple[Tensor, Factors]:
-    """The tensor to quantize for v (fp32), and a factored transform's fp32 roots of the rank-1
-    factors (row_root, col_root), kept to decode it: sqrt(v) over the root of the estimate."""
+    """The tensor to quantize for v (fp32), and the fp32 side factors (transform.side) kept to
+    decode it: a factored transform's roots of the rank-1 factors (row_root, col_root), with
+    sqrt(v) over the root of the estimate stored; a centered one's (mean,) of sqrt(v), with the
+    Hadamard transform of sqrt(v) - mean stored."""
+    if transform.centered:
+        root = sqrt_rn(v)
+        mean = tensor_mean(root)
+        return rht(root - mean), (mean,)
     if not transform.factored:
         return transform.encode(v), None
     row_root, row_inv, col_root, col_inv = rank1_roots(v)
@@ -217,7 +250,13 @@ def read_state(q: NVFP4Tensor, transform: Transform, factors: Factors = None
     """v (fp32) from its quantized stored form, and its square root: exact zeros lifted to their
     block's floor, then the inverse transform. A factored transform's root is the stored value
     times the root of the estimate (no square root to round) and v its square; the others' root
-    is sqrt_rn(v)."""
+    is sqrt_rn(v). A centered transform's stored values are signed: nothing is lifted; its root
+    is the inverse Hadamard transform plus the mean, clamped at 0, and v its square."""
+    if transform.centered:
+        if factors is None:
+            raise ValueError(f"transform {transform.name!r} needs its mean to decode")
+        root = torch.clamp(rht_inverse(dequantize(q)) + factors[0], min=0.0)
+        return root * root, root
     x = floor_zeros(dequantize(q), block_floor(q))
     if not transform.factored:
         v = transform.decode(x)

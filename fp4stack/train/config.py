@@ -17,11 +17,12 @@ from ..config_fields import check_float, check_int, check_keys, read_yaml, sugge
 from ..models.gpt import GPTConfig
 from ..nn.recipe import recipe as get_recipe
 from ..nn.recipe_files import read_recipe_file
+from ..optim.state_transforms import TRANSFORMS
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "root")
 STATE_FORMATS = ("fp32", "nvfp4")
-# Older config values: an optimizer with NVFP4 states, whatever the recipe says.
-ALIASES = {"adamw4": ("adamw", "nvfp4"), "muon4": ("muon", "nvfp4")}
+# An optimizer with NVFP4 states, whatever the recipe says.
+ALIASES = {"adamw4": ("adamw", "nvfp4"), "muon4": ("muon", "nvfp4"), "root4": ("root", "nvfp4")}
 
 
 def check_optimizer(value: Any) -> None:
@@ -29,8 +30,13 @@ def check_optimizer(value: Any) -> None:
     (fp4stack.train.optimizers builds what they name)."""
     if value not in OPTIMIZERS + tuple(ALIASES):
         raise ValueError(f"optimizer {value!r} is unknown; choose one of {list(OPTIMIZERS)} (the "
-                         "recipe's optimizer_states picks fp32 or NVFP4 states; 'adamw4' and "
-                         "'muon4' also name adamw and muon with NVFP4 states)")
+                         "recipe's optimizer_states picks fp32 or NVFP4 states; 'adamw4', "
+                         "'muon4' and 'root4' also name adamw, muon and root with NVFP4 states)")
+
+
+def optimizer_states(optimizer: str, recipe_states: str) -> str:
+    """The state format a run's optimizer keeps: an alias's (NVFP4), else the recipe's."""
+    return ALIASES[optimizer][1] if optimizer in ALIASES else recipe_states
 
 
 MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
@@ -70,10 +76,14 @@ class PretrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0  # model init, data order and stochastic rounding
     recipe: str | dict[str, Any] = "bf16"  # preset name, or {preset: NAME, <field>: ...}
-    # adamw or muon; the recipe's optimizer_states picks fp32 or NVFP4 states (train/optimizers.py:
-    # adamw4 and muon4 name adamw and muon with NVFP4 states whatever the recipe)
+    # adamw, muon or root (ROOT, arXiv 2511.20626); the recipe's optimizer_states picks fp32 or
+    # NVFP4 states (train/optimizers.py: adamw4, muon4 and root4 name them with NVFP4 states
+    # whatever the recipe)
     optimizer: str = "adamw"
-    muon_lr: float = 0.02  # learning rate of Muon's matrices (the rest use lr)
+    muon_lr: float = 0.02  # learning rate of Muon's (and ROOT's) matrices (the rest use lr)
+    # How AdamW4 (NVFP4 states) stores v: a transform of fp4stack.optim.state_transforms, e.g.
+    # sqrt-center-hadamard (Full-Stack FP4's); None: AdamW4's default (rank1)
+    adamw4_transform: str | None = None
     max_nan_skips: int = 5  # consecutive non-finite steps skipped before training stops
     out: str = "runs/pretrain/{recipe}"  # "{recipe}" is replaced by the recipe name
     distributed: str = "ddp"  # under torchrun with several processes: ddp or fsdp2
@@ -123,6 +133,15 @@ class PretrainConfig:
                              "weights to NVFP4, so no weight can flip; use an NVFP4 recipe or "
                              "set weight_flips: false")
         check_optimizer(self.optimizer)
+        if self.adamw4_transform is not None:
+            if self.adamw4_transform not in TRANSFORMS:
+                raise ValueError(f"adamw4_transform {self.adamw4_transform!r} is unknown; choose "
+                                 f"one of {list(TRANSFORMS)}, or remove it for AdamW4's default")
+            if optimizer_states(self.optimizer, recipe.optimizer_states) != "nvfp4":
+                raise ValueError(f"adamw4_transform: optimizer {self.optimizer!r} with recipe "
+                                 f"{self.recipe_name!r} keeps fp32 states, so no AdamW4 runs; "
+                                 "use adamw4, muon4 or root4 (or a recipe whose "
+                                 "optimizer_states is nvfp4), or remove adamw4_transform")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

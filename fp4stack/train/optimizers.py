@@ -1,16 +1,20 @@
-"""The pretraining optimizers: AdamW or Muon, with fp32 or NVFP4 states.
+"""The pretraining optimizers: AdamW, Muon or ROOT, with fp32 or NVFP4 states.
 
-The config's `optimizer` names the algorithm (adamw, muon), the recipe's `optimizer_states` the
-format of its states (fp32, nvfp4); `optimizer_of` resolves the two, and `TABLE` maps the pair to
-the name a run reports and the optimizer it builds:
+The config's `optimizer` names the algorithm (adamw, muon, root), the recipe's
+`optimizer_states` the format of its states (fp32, nvfp4); `optimizer_of` resolves the two, and
+`TABLE` maps the pair to the name a run reports and the optimizer it builds:
 
     adamw, fp32    adamw    torch.optim.AdamW
     adamw, nvfp4   adamw4   fp4stack.optim.AdamW4 (both moments NVFP4)
     muon,  fp32    muon     fp4stack.optim.Muon4(quantize=False): torch's Muon + AdamW
     muon,  nvfp4   muon4    fp4stack.optim.Muon4 (NVFP4 Newton-Schulz operands and momentum)
+    root,  fp32    root     fp4stack.optim.ROOT: Muon with ROOT's shape-adaptive Newton-Schulz
+                            coefficients and outlier soft-threshold, torch's AdamW
+    root,  nvfp4   root4    fp4stack.optim.ROOT4 (ROOT with Muon4's NVFP4 parts)
 
-The config values `adamw4` and `muon4` (from before the recipe held the state format) still
-name AdamW and Muon with NVFP4 states, whatever the recipe's optimizer_states. Each param group
+The config values `adamw4`, `muon4` and `root4` name AdamW, Muon and ROOT with NVFP4 states,
+whatever the recipe's optimizer_states; the config's `adamw4_transform` picks how AdamW4 (the
+NVFP4-state AdamW, also the non-matrix part of muon4 and root4) stores v. Each param group
 carries `lr_scale`, its learning rate relative to the config's `lr`, so the one warmup + cosine
 schedule drives every group (Muon's matrices run at muon_lr, the rest at lr).
 """
@@ -27,6 +31,13 @@ from torch import nn
 
 from ..nn.recipe import recipe as get_recipe
 from .config import ALIASES, STATE_FORMATS, PretrainConfig, check_optimizer
+
+
+def _state_format(adamw4_transform: str | None):
+    """AdamW4's StateFormat with that transform, or None for its default."""
+    from ..optim import StateFormat
+
+    return None if adamw4_transform is None else StateFormat(transform=adamw4_transform)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -48,24 +59,30 @@ def _adamw(model: nn.Module, groups: list[dict[str, Any]], *, lr: float,
 
 
 def _adamw4(model: nn.Module, groups: list[dict[str, Any]], *, lr: float,
-            betas: tuple[float, float], eps: float, seed: int, **_: Any) -> torch.optim.Optimizer:
+            betas: tuple[float, float], eps: float, seed: int,
+            adamw4_transform: str | None = None, **_: Any) -> torch.optim.Optimizer:
     from ..optim import AdamW4
 
-    return AdamW4(groups, lr=lr, betas=betas, eps=eps, seed=seed)
+    fmt = _state_format(adamw4_transform)
+    return AdamW4(groups, lr=lr, betas=betas, eps=eps, seed=seed,
+                  **({} if fmt is None else {"state_format": fmt}))
 
 
 def _muon(model: nn.Module, groups: list[dict[str, Any]], *, quantize: bool, lr: float,
           betas: tuple[float, float], eps: float, weight_decay: float, muon_lr: float, seed: int,
+          root: bool = False, adamw4_transform: str | None = None,
           **_: Any) -> torch.optim.Optimizer:
     from ..optim.muon4 import Muon4, split_params
+    from ..optim.root import ROOT
 
     matrices, _ = split_params(model)
     ids = {id(p) for p in matrices}
     rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
-    opt = Muon4([{"params": [p for p in matrices if p.requires_grad]}], lr=muon_lr,
-                weight_decay=weight_decay, quantize=quantize,
-                adamw_params=[g for g in rest if g["params"]], adamw_lr=lr,
-                adamw_betas=betas, adamw_eps=eps, seed=seed)
+    opt = (ROOT if root else Muon4)(
+        [{"params": [p for p in matrices if p.requires_grad]}], lr=muon_lr,
+        weight_decay=weight_decay, quantize=quantize,
+        adamw_params=[g for g in rest if g["params"]], adamw_lr=lr, adamw_betas=betas,
+        adamw_eps=eps, seed=seed, adamw_state_format=_state_format(adamw4_transform))
     for group in opt.param_groups:
         group["lr_scale"] = muon_lr / lr if group.get("use_muon") else 1.0
     return opt
@@ -77,6 +94,8 @@ TABLE: dict[tuple[str, str], tuple[str, Callable[..., torch.optim.Optimizer]]] =
     ("adamw", "nvfp4"): ("adamw4", _adamw4),
     ("muon", "fp32"): ("muon", partial(_muon, quantize=False)),
     ("muon", "nvfp4"): ("muon4", partial(_muon, quantize=True)),
+    ("root", "fp32"): ("root", partial(_muon, quantize=False, root=True)),
+    ("root", "nvfp4"): ("root4", partial(_muon, quantize=True, root=True)),
 }
 
 
@@ -89,7 +108,8 @@ class OptimizerChoice:
 
     @property
     def name(self) -> str:
-        """The name runs report (logs, result.json): adamw, adamw4, muon or muon4."""
+        """The name runs report (logs, result.json): adamw, adamw4, muon, muon4, root or
+        root4."""
         return TABLE[(self.optimizer, self.states)][0]
 
 
@@ -109,12 +129,14 @@ def optimizer_of(cfg: PretrainConfig) -> OptimizerChoice:
 
 def build_optimizer(model: nn.Module, choice: OptimizerChoice, *, lr: float,
                     betas: tuple[float, float], eps: float, weight_decay: float, muon_lr: float,
-                    seed: int, fused: bool = False) -> torch.optim.Optimizer:
+                    seed: int, fused: bool = False,
+                    adamw4_transform: str | None = None) -> torch.optim.Optimizer:
     """The optimizer `choice` over `model`'s trainable parameters; fused: torch's fused AdamW
-    kernel (CUDA)."""
+    kernel (CUDA); adamw4_transform: how its AdamW4 part stores v (None: the default)."""
     _, build = TABLE[(choice.optimizer, choice.states)]
     opt = build(model, param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
-                weight_decay=weight_decay, muon_lr=muon_lr, seed=seed, fused=fused)
+                weight_decay=weight_decay, muon_lr=muon_lr, seed=seed, fused=fused,
+                adamw4_transform=adamw4_transform)
     for group in opt.param_groups:
         group.setdefault("lr_scale", 1.0)
     return opt
@@ -125,7 +147,7 @@ def build_from_config(model: nn.Module, cfg: PretrainConfig, *,
     """build_optimizer with the optimizer and hyperparameters of `cfg`."""
     return build_optimizer(model, optimizer_of(cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
-                           fused=fused)
+                           fused=fused, adamw4_transform=cfg.adamw4_transform)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -17,9 +17,10 @@ Why each piece is there:
   `sample_next`: softmax(logits / T), top-p truncated; argmax at T = 0).
 - Done flags, the NaN/Inf check and the step counter stay on the device; the host reads them
   every `eos_check_every` steps (one sync each) and stops once every row is done.
-- compile_step=True (opt-in): the step goes through torch.compile before it is captured, so its
-  elementwise work (norms, RoPE, SwiGLU, residuals, sampling) runs as fused kernels: fewer
-  launches in the graph. Fused fp32 maths may round differently from eager: the tokens then
+- compile_step=True (opt-in): the step's model forward goes through torch.compile before it is
+  captured, so its elementwise work (norms, RoPE, SwiGLU, residuals) runs as fused kernels:
+  fewer launches in the graph. Sampling stays eager (Inductor cannot yet split the float64
+  cumsum over a 32k vocabulary). Fused fp32 maths may round differently from eager: the tokens then
   equal the reference's to the same accumulation-order bound, not bit for bit.
 The prefill and the scoring forward are the reference engine's own calls, so logprobs="score"
 gives the reference's log-probs bit for bit whenever the tokens are the same.
@@ -169,7 +170,8 @@ class FastRolloutEngine(RolloutEngine):
         self.max_slots = max_slots
         self.compile_step = bool(compile_step)
         # dynamic=False: one specialised kernel set per slot shape, as the graphs are per slot.
-        self._step = torch.compile(self._decode, dynamic=False) if compile_step else self._decode
+        self._forward_at = (torch.compile(self.model.forward_at, dynamic=False) if compile_step
+                            else self.model.forward_at)
         self._slots: OrderedDict[tuple[int, int, int], _Slot] = OrderedDict()
 
     @property
@@ -228,7 +230,7 @@ class FastRolloutEngine(RolloutEngine):
         s.n_real.add_(s.alive)
         positions = (s.n_real - 1).clamp(min=0)[:, None]
         mask = decode_mask(s.real, s.column)
-        logits = self.model.forward_at(s.tok[:, None], positions, mask, s.caches, s.rows)
+        logits = self._forward_at(s.tok[:, None], positions, mask, s.caches, s.rows)
         self._advance(s, logits[:, -1])
         s.column.add_(1)
 
@@ -238,7 +240,7 @@ class FastRolloutEngine(RolloutEngine):
         s.reset(torch.ones(s.tok.shape[0], 1, dtype=torch.bool, device=self.device),
                 self.tokenizer.pad_id)
         for _ in range(min(2, steps)):
-            self._step(s)
+            self._decode(s)
 
     def _capture(self, s: _Slot, steps: int) -> torch.cuda.CUDAGraph | None:
         """The graph of `_decode` on s, captured after a warm-up on a side stream (PyTorch's
@@ -251,7 +253,7 @@ class FastRolloutEngine(RolloutEngine):
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self._step(s)
+                self._decode(s)
         except RuntimeError as e:
             warnings.warn(f"FastRolloutEngine: the decoding step could not be captured in a "
                           f"CUDA graph ({e}); it runs eagerly. A host sync inside the model's "
@@ -307,7 +309,7 @@ class FastRolloutEngine(RolloutEngine):
             if graph is not None:
                 graph.replay()
             else:
-                self._step(s)
+                self._decode(s)
             steps += 1
         self._check(s)
         width = int(s.out_alive[:B, :steps].sum(1).max())  # the reference stops there

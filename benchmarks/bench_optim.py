@@ -17,6 +17,10 @@ otherwise its row is skipped.
     python benchmarks/bench_optim.py --breakdown       # synchronized / pipelined / host / GPU time
     python benchmarks/bench_optim.py --sweep           # the fused step's time per kernel tiling
     python benchmarks/bench_optim.py --compile-check   # sm_90 compile + ptxas registers, no GPU
+    python benchmarks/bench_optim.py --ns-per-matrix   # also Muon / Muon4 with per-matrix NS
+
+Muon and Muon4 run their Newton-Schulz batched over the matrices of one shape (batched_ns, the
+default); --ns-per-matrix adds rows with one call per matrix (batched_ns=False) to compare.
 """
 
 from __future__ import annotations
@@ -238,6 +242,9 @@ def main() -> None:
                    help="only time the fused AdamW4 step for several kernel tilings (CUDA)")
     p.add_argument("--compile-check", action="store_true",
                    help="only compile the fused AdamW4 kernel for sm_90 (no GPU needed)")
+    p.add_argument("--ns-per-matrix", action="store_true",
+                   help="also time Muon and Muon4 with one Newton-Schulz call per matrix "
+                        "(batched_ns=False) beside the batched default")
     args = p.parse_args()
     if args.compile_check:
         compile_check()
@@ -268,6 +275,10 @@ def main() -> None:
         "Muon (fp32 momentum, bf16 NS)": lambda: Muon4(params, lr=0.02, quantize=False),
         "Muon4": lambda: Muon4(params, lr=0.02),
     }
+    if args.ns_per_matrix:
+        makers["Muon (per-matrix NS)"] = lambda: Muon4(params, lr=0.02, quantize=False,
+                                                       batched_ns=False)
+        makers["Muon4 (per-matrix NS)"] = lambda: Muon4(params, lr=0.02, batched_ns=False)
     if not cuda and not interpreted:
         print("AdamW4 (fused): skipped (on the CPU it runs only with TRITON_INTERPRET=1)")
         del makers["AdamW4 (fused)"]

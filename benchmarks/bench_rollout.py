@@ -148,17 +148,16 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
         kw = dict(dtype=dtype, temperature=1.0, logprobs=args.logprobs,
                   compensation=args.compensation)
         engine = FastRolloutEngine(base, tok, precision, **kw)
-        compiled = (FastRolloutEngine(base, tok, precision, compile_step=True, **kw)
-                    if args.compile else None)
+        variants = [("fast", engine)] + [
+            (name, FastRolloutEngine(base, tok, precision, **options, **kw))
+            for name, options in engine_variants(args)]
         for batch in batches:
             prompts = torch.randint(1, cfg.vocab_size, (batch, args.prompt), generator=g,
                                     device=device).tolist()
             weights = weight_bytes(engine.model, batch_bucket(batch))
             length = -(-(args.prompt + args.new_tokens) // LENGTH_BUCKET) * LENGTH_BUCKET
             kv = kv_bytes(engine.model, batch_bucket(batch), length)
-            runs = [("fast", engine, engine.generate, args.new_tokens)]
-            if compiled is not None:
-                runs.append(("fast-compiled", compiled, compiled.generate, args.new_tokens))
+            runs = [(name, eng, eng.generate, args.new_tokens) for name, eng in variants]
             if not args.no_reference:
                 # The reference loop on the same converted model.
                 runs.append(("reference", engine,
@@ -174,9 +173,21 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                       "kv_mb": kv / 1e6, "roofline_tokens_per_s": batch * steps_s,
                       "roofline_kv_tokens_per_s": batch * bandwidth / (weights + kv),
                       "graphs": name != "reference" and eng.captured_graphs > 0})
-        del engine, compiled
+        del engine, variants
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def engine_variants(args) -> list[tuple[str, dict]]:
+    """The fast engine's optional variants timed beside it: (row name, engine options)."""
+    out = []
+    if args.compile:
+        out.append(("fast-compiled", {"compile_step": True}))
+    if args.fuse:
+        out.append(("fast-fused", {"fuse_projections": True}))
+    if args.compile and args.fuse:
+        out.append(("fast-fused-compiled", {"compile_step": True, "fuse_projections": True}))
+    return out
 
 
 def grpo_step_times(steps: int, config: Path) -> list[dict]:
@@ -233,6 +244,8 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="time the fast engine only")
     p.add_argument("--compile", action="store_true",
                    help="also time the fast engine with its step through torch.compile")
+    p.add_argument("--fuse", action="store_true",
+                   help="also time the fast engine with q/k/v and gate/up fused into one GEMM")
     p.add_argument("--logprobs", default="score", choices=("score", "sample"))
     p.add_argument("--compensation", type=float, default=0.05, help="quads: channel fraction")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (median)")

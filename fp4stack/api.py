@@ -2,48 +2,29 @@
 
 CUDA tensors go to the Triton kernels when Triton is installed; everything else runs the torch
 reference. Both produce the same bits. Set FP4STACK_BACKEND=reference to force the reference.
+Under torch.compile each call is one of the custom ops of fp4stack.ops (the same backends), so
+a compiled model traces the quantizer as one opaque node; eager calls skip the op dispatch.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import ops
 from .formats import nvfp4 as reference
 from .formats.fp8 import fake_quantize_fp8
 from .formats.hadamard import rht_inverse
+from .formats.random import draw_seed_tensor
 from .formats.spec import QuantSpec
 from .formats.tensor import NVFP4Tensor
+from .ops import backend_for
 
-_BACKENDS = ("auto", "reference", "triton")
-
-
-def backend_for(device: torch.device) -> str:
-    """'triton' or 'reference': the backend a tensor on `device` is quantized with."""
-    choice = os.environ.get("FP4STACK_BACKEND", "auto")
-    if choice not in _BACKENDS:
-        raise ValueError(f"FP4STACK_BACKEND must be one of {_BACKENDS}, got {choice!r}")
-    if choice == "reference":
-        return "reference"
-    from . import kernels
-
-    if device.type == "cuda" and kernels.available():
-        return "triton"
-    if choice == "triton":
-        raise RuntimeError(
-            f"FP4STACK_BACKEND=triton but the tensor is on {device} or Triton is missing: "
-            "the Triton backend runs CUDA tensors (install fp4stack[gpu])"
-        )
-    return "reference"
+__all__ = ["backend_for", "check_seed", "dequantize", "fake_quantize", "global_amax",
+           "make_spec", "quantize"]
 
 
 def _impl(device: torch.device):
-    if backend_for(device) == "triton":
-        from . import kernels
-
-        return kernels
-    return reference
+    return ops.impl(device)
 
 
 def _check_tensor(x, name: str) -> None:
@@ -55,11 +36,31 @@ _DEFAULT_SPEC = QuantSpec()
 
 
 def check_seed(seed: object) -> None:
-    """TypeError unless `seed` is None or an int (not a bool). Any int works: it is folded to
-    two 32-bit keys from its low 64 bits (formats/random.py, `seed_keys`)."""
+    """TypeError unless `seed` is None, an int (not a bool) or an int64 tensor of one element.
+    Any int works: it is folded to two 32-bit keys from its low 64 bits (formats/random.py,
+    `seed_keys`); a tensor draws what its value would."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise TypeError(f"a seed tensor must be int64 with one element, got {seed.dtype} "
+                            f"of shape {tuple(seed.shape)}")
+        return
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int (or None: a draw from torch's generator), got "
                         f"{seed!r}")
+
+
+def _op_seed(spec: QuantSpec, seed) -> torch.Tensor | None:
+    # Under torch.compile the draw is a node of the graph (the same draw as eager's), so the op
+    # itself keeps no hidden generator state.
+    if spec.rounding != "stochastic":
+        return None
+    return draw_seed_tensor() if seed is None else ops.seed_tensor(seed)
+
+
+def _op_amax(amax) -> torch.Tensor | None:
+    if amax is None or isinstance(amax, torch.Tensor):
+        return amax
+    return reference.as_amax(amax, torch.device("cpu"))  # a float is checked here, on the host
 
 
 def make_spec(spec: QuantSpec | None, **options) -> QuantSpec:
@@ -89,7 +90,7 @@ def quantize(
     hadamard: bool = False,
     four_over_six: bool = False,
     amax: float | torch.Tensor | None = None,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     nan_policy: str = "raise",
     columnwise: bool = False,
     spec: QuantSpec | None = None,
@@ -120,6 +121,12 @@ def quantize(
         if x.dim() < 2:
             raise ValueError(f"{name}: columnwise=True needs >= 2 dims, got {tuple(x.shape)}")
         x = x.transpose(-2, -1)
+    if torch.compiler.is_compiling():
+        reference.check_input(x, spec, name)
+        data, scales, amax_t = ops.quantize_op(x, ops.spec_key(spec), _op_amax(amax),
+                                               _op_seed(spec, seed), name)
+        return NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax_t,
+                           shape=x.shape, spec=spec)
     return _impl(x.device).quantize(x, spec, amax=amax, seed=seed, name=name)
 
 
@@ -127,10 +134,25 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     """Values of `t` as `dtype` (float32 maths, one rounding to `dtype` at the end)."""
     if not isinstance(t, NVFP4Tensor):
         raise TypeError(f"dequantize expects an NVFP4Tensor, got {type(t).__name__}")
+    if torch.compiler.is_compiling():
+        return ops.dequantize_op(t.data, t.scales.view(torch.uint8), t.amax, list(t.shape),
+                                 ops.spec_key(t.spec), dtype)
     return _impl(t.device).dequantize(t, dtype)
 
 
+def global_amax(x: torch.Tensor, *, hadamard: bool = False) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor (NaN if x holds one), after the 16-point Hadamard
+    transform when `hadamard`: the global amax `quantize` scales by when none is imposed."""
+    _check_tensor(x, "x")
+    return ops.global_amax_op(x, hadamard)
+
+
 def _fake_quantize_values(x, spec, amax, seed, name, dtype):
+    if torch.compiler.is_compiling():
+        if spec.format == "nvfp4":
+            reference.check_input(x, spec, name)
+        return ops.fake_quantize_op(x, ops.spec_key(spec), _op_amax(amax), _op_seed(spec, seed),
+                                    name, dtype)
     if spec.format == "fp8":
         return fake_quantize_fp8(x, spec.fp8_granularity, nan_policy=spec.nan_policy,
                                  name=name).to(dtype or x.dtype)
@@ -159,7 +181,7 @@ def fake_quantize(
     hadamard: bool = False,
     four_over_six: bool = False,
     amax: float | torch.Tensor | None = None,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     nan_policy: str = "raise",
     spec: QuantSpec | None = None,
     name: str = "input",

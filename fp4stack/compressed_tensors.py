@@ -12,7 +12,8 @@ a model converted the same way, bit for bit. Per quantized linear layer `<name>`
 
 compressed-tensors and vLLM store the *encode* scale and divide by it (`dequantize`:
 `code * (scale / global_scale)`); fp4stack multiplies by the decode scale `amax * (1/2688)`. The
-bytes are identical; the fp32 products can differ in the last bit (see tests/test_checkpoint.py).
+bytes are identical; the fp32 products can differ in the last bit (see tests/test_checkpoint.py),
+and so the bf16 ones where that bit decides a rounding tie (tests/test_checkpoint_smollm2.py).
 Since 2688 / (2688 / amax) need not give back amax in fp32, the exact amaxes ride along in the
 safetensors header metadata (invisible to other readers), so `load_quantized` is bit-exact.
 
@@ -22,9 +23,10 @@ quantizer is plain NVFP4 (1x16, round to nearest). `weight_only=True` exports ev
 (compressed-tensors' NVFP4A16 scheme) instead.
 
 MoE experts are written one linear per expert and projection (`compressed_tensors_moe`), under
-the names of the model's checkpoints. A layer's calibrated QUADS compensation channels (static
-mode) ride in the header metadata too, as `rc_channels`: a tensor of a name vLLM does not know
-would stop its loader.
+the names of the model's checkpoints (transformers 5.24 loads those experts without their global
+scale: `save_quantized` warns, see `compressed_tensors_moe`). A layer's calibrated QUADS
+compensation channels (static mode) ride in the header metadata too, as `rc_channels`: a tensor
+of a name vLLM does not know would stop its loader.
 """
 
 from __future__ import annotations
@@ -301,6 +303,8 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, *, config=Non
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     cfg = _base_config(model, config)
     cfg["quantization_config"] = _quantization_config(groups, ignore)
+    if experts and "model_type" in cfg:  # a config.json transformers loads the model from
+        warnings.warn(moe.TRANSFORMERS_MOE_NOTE, moe.TransformersMoEWarning, stacklevel=2)
     text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"  # fails here, before any write
 
     directory = Path(directory)

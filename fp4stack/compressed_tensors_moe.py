@@ -23,6 +23,11 @@ input and store the same `input_global_scale`; an expert no calibration token re
 largest of its layer's (see `ExpertQuantization.finish_calibration`). Unconverted experts are
 written per expert unquantized (`<...>.weight`) and listed in the config's `ignore`, with the
 routers, which are never quantized.
+
+transformers (5.24, with compressed-tensors 0.20) loads such a checkpoint without an error but
+with wrong experts: its `CompressedTensorsDequantize` rebuilds each expert from `weight_packed`
+and `weight_scale` and drops `weight_global_scale`. `save_quantized` says so once per save
+(`TransformersMoEWarning`) when the checkpoint has a config transformers reads.
 """
 
 from __future__ import annotations
@@ -41,6 +46,18 @@ from .nn.moe import Experts
 from .nn.quant_experts import ExpertQuantization, is_hf_fused_experts
 
 PARTS = ("gate_proj", "up_proj", "down_proj")  # the model-side names of an expert's linears
+TRANSFORMERS_MOE_NOTE = (
+    "transformers 5.24 (the version tested; check yours) loads this checkpoint's quantized MoE "
+    "experts wrongly: it dequantizes each expert from weight_packed and weight_scale without its "
+    "weight_global_scale, so the experts it holds are scaled by that global scale (2688/amax). "
+    "Read the checkpoint with fp4stack.load_quantized into a model converted the same way, or "
+    "decompress the experts with compressed-tensors (global scale included) before use; the "
+    "dense layers are unaffected")
+
+
+class TransformersMoEWarning(UserWarning):
+    """A saved MoE checkpoint whose experts transformers would dequantize wrongly (see
+    TRANSFORMERS_MOE_NOTE)."""
 
 
 def expert_name(module_name: str, e: int, part: str) -> str:

@@ -21,13 +21,17 @@ from safetensors.torch import load_file, save_file
 import fp4stack
 from fp4stack import QuantLinear, QuantSpec, ResidualCompensation
 from fp4stack.compressed_tensors import load_quantized, save_quantized
-from fp4stack.compressed_tensors_moe import expert_modules
+from fp4stack.compressed_tensors_moe import TransformersMoEWarning, expert_modules
 from fp4stack.convert import calibrate
 from fp4stack.models.gpt import GPT, GPTConfig
 from fp4stack.nn.quant_experts import ExpertQuantization, QuantHFExperts
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every transformers MoE export warns that transformers loads its experts wrongly: checked once,
+# by test_moe_exports_warn_once_about_transformers_expert_loading.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::fp4stack.compressed_tensors_moe.TransformersMoEWarning")
 
 VOCAB = 128
 HF_ARCHS = ("qwen3_moe", "olmoe", "mixtral")
@@ -127,6 +131,7 @@ def test_w4a4_round_trip_is_bit_exact(tmp_path, arch):
     model = calibrated(arch, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # gate/up share their scale: no fused-scale warning
+        warnings.simplefilter("ignore", TransformersMoEWarning)  # checked on its own below
         save_quantized(model, tmp_path)
     fresh = make(arch, 1, "w4a4")
     load_quantized(fresh, tmp_path)
@@ -329,7 +334,8 @@ def test_transformers_loads_it(ct, tmp_path, arch):
         # transformers 5.24 dequantizes MoE experts at load without their weight_global_scale
         # (its CompressedTensorsDequantize builds each expert from weight_packed and weight_scale
         # only): the experts it holds are compressed-tensors' decompression without it. When
-        # this fails, transformers was fixed: drop the replacement below.
+        # this fails, transformers was fixed: drop the replacement below, and the warning
+        # (TransformersMoEWarning) save_quantized gives.
         pattern = name + ".{e}.{p}"
         parts = NAMES[arch][1]
         if arch == "mixtral":
@@ -349,6 +355,21 @@ def test_transformers_loads_it(ct, tmp_path, arch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if arch == "llama":
         assert torch.equal(got, want)
+
+
+def test_moe_exports_warn_once_about_transformers_expert_loading(tmp_path):
+    with pytest.warns(TransformersMoEWarning) as record:
+        save_quantized(make("qwen3_moe", 0, "qat-w"), tmp_path / "moe")
+    said = [str(w.message) for w in record if w.category is TransformersMoEWarning]
+    assert len(said) == 1  # once per save, not once per expert
+    assert "without its weight_global_scale" in said[0] and "load_quantized" in said[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TransformersMoEWarning)
+        save_quantized(make("llama", 0, "qat-w"), tmp_path / "dense")  # no experts
+        # A GPT-MoE without a transformers config: no config.json transformers could load.
+        save_quantized(make("gpt", 0, "qat-w"), tmp_path / "gpt")
+    with pytest.warns(TransformersMoEWarning):  # the same GPT-MoE given a transformers config
+        save_quantized(make("gpt", 0, "qat-w"), tmp_path / "gpt-hf", config=hf_config("qwen3_moe"))
 
 
 def test_transformers_loads_w4a4_experts_without_their_input_scales(tmp_path):

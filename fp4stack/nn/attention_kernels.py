@@ -1,6 +1,6 @@
 """Which fp4_attention configs the Triton kernels compute, and the autograd function that runs
-them (fp4stack.kernels.attention and attention_bwd); fp4stack.nn.attention is the reference and
-chooses between the two."""
+them (fp4stack.kernels.attention and attention_bwd, as the custom ops of attention_ops.py);
+fp4stack.nn.attention is the reference and chooses between the two."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant, stochastic_seed
+from ..formats.random import draw_seed_tensor
+from ..formats.spec import QuantSpec
+from .attention_ops import (
+    attention_backward,
+    attention_backward_operands,
+    attention_forward,
+    call,
+)
+from .attention_quant import NVFP4_RNE, NVFP4_SR, NVFP4_TILES, AttentionQuant
 
 
 def is_tiled(config: AttentionQuant) -> bool:
@@ -59,55 +67,55 @@ def triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -
 
 
 class TritonAttentionFn(torch.autograd.Function):
-    """The flash kernels. For each of Q, K, V the forward saves its units if the backward
-    reuses it (tensor reuse; all three for 16x16 tiles, which serve every GEMM), else the raw
-    tensor, as the reference does, which the backward re-quantizes
-    (attention_units.backward_operands): the same saved memory either way, at the price of up
-    to five quantize passes in the backward (cheap next to attention) rather than saving up to
-    five units tensors for as long as the graph lives. All save O, lse and the amaxes. An
-    ablation prepares the backward's operands itself (AttentionAblation.units_operands).
-    Stochastic roundings draw their seeds in the reference's order (Q, K, V in the forward; Q̂
-    for dK, K̂ for dQ, V̂ for dP in the backward), so both backends give the same bits after
-    one torch.manual_seed."""
+    """The flash kernels, through the custom ops of attention_ops.py. For each of Q, K, V the
+    forward saves its units if the backward reuses it (tensor reuse; all three for 16x16 tiles,
+    which serve every GEMM), else the raw tensor, as the reference does, which the backward
+    re-quantizes (attention_units.backward_operands): the same saved memory either way, at the
+    price of up to five quantize passes in the backward (cheap next to attention) rather than
+    saving up to five units tensors for as long as the graph lives. All save O, lse and the
+    amaxes. An ablation prepares the backward's operands itself
+    (AttentionAblation.units_operands, outside the ops). Stochastic roundings draw their seeds
+    (as tensors: torch.compile keeps the draws in its graph) in the reference's order (Q, K, V
+    in the forward; Q̂ for dK, K̂ for dQ, V̂ for dP in the backward), so both backends give the
+    same bits after one torch.manual_seed."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, cfg: AttentionQuant):
-        from ..kernels import attention as kernel
-        from ..kernels import attention_units as units_kernels
-
         # GQA heads are indexed in-kernel
         tiled = is_tiled(cfg)
         reused = tuple(n for n in "qkv" if tiled or cfg.reuses(n))
-        tiles = kernel.tiles_for(q, None)
-        amax = kernel.amaxes(q, k, v)
-        seeds = tuple(stochastic_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles
-        units = units_kernels.quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
-        out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
+        seeds = tuple(_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles
+        out, lse, amax, *units = call(attention_forward, q, k, v, causal, scale, tiled, *seeds)
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
-        ctx.save_for_backward(*saved, out, lse, amax)
-        ctx.causal, ctx.scale, ctx.tiles, ctx.reused, ctx.cfg = causal, scale, tiles, reused, cfg
-        ctx.score_seeds = seeds[:2]
+        ctx.save_for_backward(*saved, out, lse, amax, *seeds[:2])
+        ctx.causal, ctx.scale, ctx.reused, ctx.cfg = causal, scale, reused, cfg
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        from ..kernels import attention_units as units_kernels
-        from ..kernels.attention_bwd import backward_units
-
-        a, b, c, out, lse, amax = ctx.saved_tensors
-        cfg, alt = ctx.cfg, {}
+        a, b, c, out, lse, amax, q_seed, k_seed = ctx.saved_tensors
+        cfg = ctx.cfg
+        q_dk = k_dq = None
         if cfg.ablation is not None:
+            from ..kernels.attention import tiles_for
+
+            score_seeds = tuple(None if s is None else int(s) for s in (q_seed, k_seed))
             qu, ku, vu, alt, amax = cfg.ablation.units_operands(
-                cfg, (a, b, c), amax, ctx.tiles["quant"], ctx.reused, ctx.score_seeds)
+                cfg, (a, b, c), amax, tiles_for(a, None)["quant"], ctx.reused, score_seeds)
+            q_dk, k_dq = alt.get("q_dk"), alt.get("k_dq")
         elif ctx.reused:
             qu, ku, vu = a, b, c
         else:
-            seeds = tuple(stochastic_seed(s) for s in (cfg.q, cfg.k, cfg.v))
-            qu, ku, vu, alt["q_dk"], alt["k_dq"] = units_kernels.backward_operands(
-                a, b, c, amax, ctx.tiles["quant"], ctx.score_seeds, seeds)
+            seeds = tuple(_seed(s) for s in (cfg.q, cfg.k, cfg.v))
+            qu, ku, vu, q_dk, k_dq = call(attention_backward_operands, a, b, c, amax, q_seed,
+                                          k_seed, *seeds)
         delta_dp = cfg.ablation is not None and cfg.ablation.delta == "dp"
-        dq, dk, dv, _, _ = backward_units(do.to(qu.dtype), qu, ku, vu, out, lse, amax,
-                                          ctx.causal, ctx.scale, ctx.tiles,
-                                          quant_ds=cfg.ds is not None, delta_dp=delta_dp, **alt)
+        dq, dk, dv = call(attention_backward, do, qu, ku, vu, out, lse, amax, ctx.causal,
+                          ctx.scale, cfg.ds is not None, delta_dp, q_dk, k_dq)
         return dq, dk, dv, None, None, None
+
+
+def _seed(spec: QuantSpec | None) -> Tensor | None:
+    """`stochastic_seed`'s draw as an int64 tensor (the same value; no host read)."""
+    return draw_seed_tensor() if spec is not None and spec.rounding == "stochastic" else None

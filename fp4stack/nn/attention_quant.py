@@ -113,6 +113,14 @@ class AttentionQuant:
         return cls()
 
     @classmethod
+    def qk_ds(cls, reuse: bool = True) -> AttentionQuant:
+        """Full-Stack FP4's attention in the paper's form: the QKᵀ and dS GEMMs in NVFP4 (Q, K
+        and dS quantized), PV, Pᵀ dO and dO Vᵀ in high precision (V, P and dO not quantized).
+        reuse: the backward multiplies by the forward's Q̂, K̂ (so dS's rows come from the
+        forward's scores), or re-quantizes Q and K along each backward GEMM's reduction dim."""
+        return cls(v=None, reuse=reuse)
+
+    @classmethod
     def tiled(cls, **fields) -> AttentionQuant:
         """Q, K, V in NVFP4 16x16 tiles (NVFP4_TILES), the other fields as given."""
         return cls(**dict.fromkeys(("q", "k", "v"), NVFP4_TILES), **fields)

@@ -16,51 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
-from ..api import backend_for, dequantize, fake_quantize, quantize
+from ..api import dequantize, quantize
 from ..formats.fp8 import FP8Tensor
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from ..kernels.fp8_gemm import fp8_linear, fp8_weight
+from ..ops import spec_key
 from . import compensation as rc
 from .fused import shared_amax
-from .lowrank import lowrank_factors
+from .lowrank import count_and_refresh, fit_factors
+from .lowrank_split import lowrank_product, split_weight
+from .operands import _compute_dtype, fused_inference_ok, quantize_operand
 from .packed import PackedSlot, PackedState
 from .recipe import Recipe
 from .recipe import recipe as get_recipe
-
-_BLOCK = 16
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Tests set this to run the fused inference kernels on CPU tensors (under the Triton
-# interpreter); CUDA tensors take them whenever `fused_inference_ok` holds.
-_FUSED_ON_CPU = False
-
-
-def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
-                     columnwise: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`t`'s values after quantization by `spec` along its last dim, in `dtype` (default t's).
-
-    columnwise=True quantizes along dim 0 instead (for backward GEMMs) and returns [T', C] with
-    the token dim zero-padded to whole blocks when the spec uses the Hadamard transform (zeros add
-    nothing to a product; the transformed domain is kept, as both wgrad operands carry it).
-    """
-    if spec is None or spec.format == "none":
-        return t if dtype is None else t.to(dtype)
-    if not columnwise:
-        return fake_quantize(t, spec=spec, amax=amax, dtype=dtype)
-    tt = t.t()
-    pad = -tt.shape[-1] % _BLOCK if spec.hadamard else 0
-    if pad:
-        tt = F.pad(tt, (0, pad))
-    return fake_quantize(tt.contiguous(), spec=spec, amax=amax, dtype=dtype).t()
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    # The dtype F.linear would multiply in: autocast's when it is on (custom autograd functions
-    # are not autocast, and the backward runs outside the autocast region), else x's.
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class _QuantLinearFn(torch.autograd.Function):
@@ -132,20 +101,6 @@ def _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels, 
     return y + bias if bias is not None else y
 
 
-def fused_inference_ok(x: torch.Tensor, module: nn.Module, *tensors: torch.Tensor) -> bool:
-    """Whether `module` may run its fused inference kernels on x: Triton is the backend for x's
-    device (CUDA; FP4STACK_BACKEND=reference turns them off), x is float32, bf16 or fp16, and
-    no gradient is wanted (grad mode off, or neither x, `tensors` nor a parameter needs one)."""
-    if x.dtype not in _FUSED_DTYPES or not kernels.available():
-        return False
-    if not (x.is_cuda and backend_for(x.device) == "triton") and not (
-            _FUSED_ON_CPU and not x.is_cuda):
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    return not any(t.requires_grad for t in (x, *tensors, *module.parameters()))
-
-
 def native_fp8_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
     """Whether `layer` runs its w8a8 GEMM natively (kernels.fp8_gemm): both operands FP8 with
     1x128 blocks, a master weight, BF16 inputs on CUDA, nothing else in the recipe, no grad."""
@@ -157,9 +112,25 @@ def native_fp8_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
             and fused_inference_ok(x, layer))
 
 
+def packed_inference_linear(x2: torch.Tensor, recipe: Recipe, weight: NVFP4Tensor,
+                            bias: torch.Tensor | None = None,
+                            x_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """y = Q(x2) weightᵀ + b, `weight` packed, by the fused kernel: the compensation-free case
+    of `quantized_inference_linear`, for any packed weight (one layer's, or siblings' rows side
+    by side, nn.fused_projections); the GEMM is the custom op `inference_ops.packed_linear`."""
+    from .inference_ops import packed_linear
+
+    spec = recipe.x
+    if spec.format != "none" and spec.nan_policy != "propagate":
+        spec = replace(spec, nan_policy="propagate")  # a check would read the device back
+    a = quantize_operand(x2, spec, x_amax, dtype=_compute_dtype(x2))
+    return packed_linear(a, weight, bias)
+
+
 def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """y = Q(x2) Q(W)ᵀ + b for a packed layer, as one fused kernel reading the packed weight
-    (`kernels.packed_gemm.packed_linear`), with the layer's recipe and no host sync.
+    (`kernels.packed_gemm.packed_linear`, as the custom op `inference_ops.packed_linear`), with
+    the layer's recipe and no host sync.
 
     Q(x) is the recipe's x spec with nan_policy="propagate" (a NaN reaches the outputs), with the
     layer's calibrated x_amax when the recipe's activation amax is static. Residual compensation
@@ -167,8 +138,7 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
     Q(x) with the columns C put back to x's own; C is rc_channels (static mode, calibrated) or
     the top channels by residual energy, picked on the device.
     """
-    from ..kernels.packed_gemm import packed_linear
-    from ..kernels.top_mask import top_mask
+    from .inference_ops import packed_linear
 
     recipe = layer.recipe
     spec = recipe.x
@@ -178,12 +148,13 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
     dtype = _compute_dtype(x2)
     cfg = recipe.compensation
     if cfg is None:
-        a = quantize_operand(x2, spec, x_amax, dtype=dtype)
-        return packed_linear(a, layer.packed_weight, layer.bias)
+        return packed_inference_linear(x2, recipe, layer.packed_weight, layer.bias, x_amax)
     # As _compensated: Q(x) and the residual in x's dtype, the GEMM in the compute dtype.
     qx = quantize_operand(x2, spec, x_amax)
     channels = layer.rc_channels if cfg.mode == "static" else None
     if channels is None:
+        from ..kernels.top_mask import top_mask
+
         energy = (x2 - qx).float().pow(2).sum(0) * layer.qweight_column_sq_norms(x2.dtype)
         mask = top_mask(energy, cfg.count(x2.shape[-1]))
     else:
@@ -240,9 +211,10 @@ class QuantLinear(PackedState, nn.Module):
         self.register_buffer("x_amax", None)  # calibrated static activation amax
         self.register_buffer("rc_channels", None)  # calibrated compensation channels
         self._calibration: dict | None = None
-        self._forwards: int | None = None  # host copy of lowrank_forwards; None: read it again
+        # Host copy of lowrank_forwards: (the buffer's version when written, count); None: read
+        self._forwards: tuple[int, int] | None = None
         if recipe.lowrank is not None:
-            a, b = lowrank_factors(weight, recipe.w, recipe.lowrank.rank)
+            a, b = fit_factors(weight, recipe.w, recipe.lowrank.rank, recipe.lowrank.fit)
             if recipe.lowrank.trainable:
                 self.lowrank_a, self.lowrank_b = nn.Parameter(a), nn.Parameter(b)
             else:
@@ -265,6 +237,9 @@ class QuantLinear(PackedState, nn.Module):
         """Replace the master weight by its packed NVFP4 form (inference); frees the master."""
         if self.weight is None:
             return
+        if _splits(self.recipe):
+            raise ValueError(f"{self.recipe.name}: a layer that splits W (LowRank fit='weight') "
+                             "computes W - L from its master weight: it cannot be packed")
         t = quantize(self.weight.detach(), spec=self.recipe.w, amax=self.shared_weight_amax())
         self.register_packed(PackedSlot("weight", master="weight", shape=t.shape, spec=t.spec),
                              [t])
@@ -291,8 +266,9 @@ class QuantLinear(PackedState, nn.Module):
 
     @torch.no_grad()
     def refresh_lowrank(self) -> None:
-        """Recompute the low-rank factors from the current W - Q(W)."""
-        a, b = lowrank_factors(self.weight, self.recipe.w, self.recipe.lowrank.rank)
+        """Recompute the low-rank factors from the current W - Q(W) (fit="weight": from W)."""
+        lr = self.recipe.lowrank
+        a, b = fit_factors(self.weight, self.recipe.w, lr.rank, lr.fit)
         self.lowrank_a.copy_(a)
         self.lowrank_b.copy_(b)
 
@@ -324,6 +300,8 @@ class QuantLinear(PackedState, nn.Module):
         recipe = self.recipe
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        if _splits(recipe):
+            return self._split_forward(x2).reshape(*lead, self.out_features)
         if (self.weight is None and self._calibration is None
                 and fused_inference_ok(x, self)):
             y = quantized_inference_linear(x2, self)
@@ -363,33 +341,56 @@ class QuantLinear(PackedState, nn.Module):
         if norms is not None and self.weight is None:
             self.qweight_column_sq_norms(norms[0][0])
 
-    def _reference_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        # Training, calibration and CPU: the packed weight dequantized, then quant_linear.
+    def _split_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        # SVDQuant's split (lowrank_split.py): y = x Lᵀ + Q(x) Q(W - L)ᵀ, refitted before use
+        # as the branch is. The residual is quantized with its own global amax: siblings of
+        # an amax group share W's scale for packing, which a split layer never is.
+        self._maybe_refresh()
+        core, residual = split_weight(self.weight, self.lowrank_a, self.lowrank_b)
+        y = self._reference_forward(x2, residual)
+        return y + lowrank_product(x2, self.lowrank_a, core, self.lowrank_b)
+
+    def _reference_forward(self, x2: torch.Tensor,
+                           residual: torch.Tensor | None = None) -> torch.Tensor:
+        # Training, calibration and CPU: the packed weight dequantized, then quant_linear;
+        # `residual` (a split layer's W - L) in the master weight's place.
         recipe = self.recipe
         packed = dequantize(self.packed_weight, x2.dtype) if self.weight is None else None
         x_amax = self.x_amax if recipe.activation_amax == "static" else None
         if self._calibration is not None:
             self._calibration["amax"] = torch.maximum(self._calibration["amax"],
                                                       x2.detach().abs().amax().float().cpu())
-        return quant_linear(x2, self.weight, self.bias, recipe, packed=packed, x_amax=x_amax,
-                            w_amax=self.shared_weight_amax(), rc_channels=self.rc_channels,
+        weight, w_amax = (self.weight, self.shared_weight_amax()) if residual is None else \
+            (residual, None)
+        return quant_linear(x2, weight, self.bias, recipe, packed=packed, x_amax=x_amax,
+                            w_amax=w_amax, rc_channels=self.rc_channels,
                             calibration=self._calibration)
 
     def _maybe_refresh(self) -> None:
         if not (self.training and _refreshes(self.recipe)):
             return
+        every = self.recipe.lowrank.refresh_every
+        if torch.compiler.is_compiling():
+            # One op counts and refits, so the compiled forward has no graph break here.
+            count_and_refresh(self.lowrank_forwards, self.lowrank_a, self.lowrank_b,
+                              self.weight.detach(), every, spec_key(self.recipe.w),
+                              self.recipe.lowrank.fit)
+            return
         # Counted on the host, so that deciding a refresh costs no device sync; the buffer gets
-        # each new count (no sync either) and is read back only after a load.
+        # each new count (no sync either) and is read back only when something else wrote it.
         n = self._lowrank_count() + 1
-        self._forwards = n
         self.lowrank_forwards.fill_(n)
-        if n % self.recipe.lowrank.refresh_every == 0:
+        self._forwards = (self.lowrank_forwards._version, n)
+        if n % every == 0:
             self.refresh_lowrank()
 
     def _lowrank_count(self) -> int:
-        if self._forwards is None:
-            self._forwards = int(self.lowrank_forwards)
-        return self._forwards
+        # The host copy holds while the buffer's version is the one its last write left: a
+        # load, or a compiled forward counting in the buffer, changes it.
+        cached = self._forwards
+        if cached is None or cached[0] != self.lowrank_forwards._version:
+            return int(self.lowrank_forwards)
+        return cached[1]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -423,6 +424,11 @@ class QuantLinear(PackedState, nn.Module):
         packed = ", packed" if self.weight is None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, recipe={self.recipe.name}{packed}")
+
+
+def _splits(recipe: Recipe) -> bool:
+    # SVDQuant's split of W (LowRank fit="weight") instead of a branch added to Q(x) Q(W)ᵀ.
+    return recipe.lowrank is not None and recipe.lowrank.fit == "weight"
 
 
 def _refreshes(recipe: Recipe) -> bool:

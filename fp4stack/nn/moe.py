@@ -7,8 +7,10 @@ GEMM quantization error fp4stack works on, so the router computes its logits in 
 off, and routing replay (record the experts one forward chose, force them in another) can remove it
 entirely when wanted.
 
-Every expert matmul goes through `Experts.expert_linear`, so a quantized subclass overrides that
-one method and nothing else.
+Every expert matmul of the per-expert loop goes through `Experts.expert_linear`, so a subclass
+overrides that one method; the sorted path (`grouped_experts`: one op per projection, static
+shapes for torch.compile) computes fp4stack's own experts with the loop's numerics, and a
+subclass with its own hook keeps the loop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .grouped_experts import grouped_forward
 from .linear import fused_inference_ok
 
 
@@ -32,7 +35,10 @@ def load_balance_loss(logits: Tensor, indices: Tensor, n_experts: int) -> Tensor
     uniform routing gives k. Only P_e carries gradient (to the router).
     """
     probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
-    counts = torch.bincount(indices.flatten(), minlength=n_experts).to(probs.dtype)
+    # Counted by comparison: bincount's output length depends on the data (torch.compile
+    # cannot trace it), and a scatter would not be deterministic on CUDA.
+    experts = torch.arange(n_experts, device=indices.device)
+    counts = (indices.flatten()[:, None] == experts).sum(0).to(probs.dtype)
     frac = counts / indices.shape[0]
     return n_experts * (frac * probs.mean(dim=0)).sum()
 
@@ -104,20 +110,34 @@ class Experts(nn.Module):
         None where only the per-expert loop computes this module's experts."""
         return self.gate_up_proj, self.down_proj, None
 
+    def sorted_operands(self) -> tuple | None:
+        """((gate_up, down) stacks, recipe, static x_amax [2, E] or None) for the sorted path
+        (`grouped_experts.grouped_forward`), or None where only the loop computes the experts.
+        Plain experts: the parameters, no recipe; a subclass with its own `expert_linear`
+        gets the loop, the one caller of that hook."""
+        if type(self).expert_linear is not Experts.expert_linear:
+            return None
+        return (self.gate_up_proj, self.down_proj), None, None
+
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [T, D], routing weights and indices [T, k] -> sum_j weights[:, j] * expert_j(x).
 
         Without gradients on CUDA, all experts run in two grouped launches with no host sync
-        (`kernels.moe_align.grouped_mlp`); otherwise, and as its reference, one expert at a
-        time."""
+        (`kernels.moe_align.grouped_mlp`, as the custom op `inference_ops.grouped_mlp`).
+        Otherwise the pairs are sorted by expert and one op per projection runs every expert's
+        GEMMs (`grouped_experts`: static shapes, so torch.compile traces it whole); the loop,
+        their reference, serves what they do not (calibration, compensation, packed weights)."""
         if fused_inference_ok(x, self, weights):
             operands = self.grouped_operands()
             if operands is not None:
-                from ..kernels.moe_align import grouped_mlp
+                from .inference_ops import grouped_mlp
 
                 dtype = (torch.get_autocast_dtype(x.device.type)
                          if torch.is_autocast_enabled(x.device.type) else x.dtype)
                 return grouped_mlp(x, weights, indices, *operands, dtype=dtype).to(x.dtype)
+        operands = self.sorted_operands()
+        if operands is not None:
+            return grouped_forward(x, weights, indices, *operands, act=F.silu)
         return self.loop_forward(x, weights, indices)
 
     def loop_forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:

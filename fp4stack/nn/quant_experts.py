@@ -86,6 +86,15 @@ class ExpertQuantization(PackedState):
             return None
         return self.packed_stack("gate_up"), self.packed_stack("down"), spec
 
+    def sorted_operands(self) -> tuple | None:
+        """Master weights with the recipe's GEMMs (and calibrated static activation amax);
+        None while calibrating, for compensation or packed weights (the loop serves those)."""
+        if (self._calibration is not None or self.recipe.compensation is not None
+                or getattr(self, "gate_up_proj", None) is None):
+            return None
+        x_amax = self.x_amax if self._static_x_amax() else None
+        return (self.gate_up_proj, self.down_proj), self.recipe, x_amax
+
     def _fp8_grouped_operands(self) -> tuple | None:
         """Master weights with FP8 operands scaled per row or per 1x128 block (w8a8): each row's
         values do not depend on which rows share its expert, so the stacks are fake-quantized

@@ -1,7 +1,8 @@
 """The methods' recipe presets, and `recipe()`: a Recipe from a name, a mapping or a Recipe.
 
-A preset is a method as the library ships it: BF16, FP8, NVFP4, NVIDIA's recipe, the low-rank
-branch, Full-Stack FP4, weight-only QAT and the inference formats. A study's ablation is a preset
+A preset is a method as the library ships it: BF16, FP8, NVFP4, NVIDIA's recipe, Four Over Six,
+the low-rank branch and split, Full-Stack FP4 (fp4stack's and the paper's form), weight-only QAT
+and the inference formats. A study's ablation is a preset
 with some fields changed, kept as data: a recipe file, configs/recipes/NAME.yaml
 (fp4stack.nn.recipe_files), found by its name as a preset is. "NAME@SCOPE" (`scoped`) quantizes
 only part of a recipe's linears. The types are in fp4stack.nn.recipe_types.
@@ -38,6 +39,12 @@ def _presets() -> dict[str, Recipe]:
     fp8 = replace(QuantSpec.fp8("block128"), nan_policy="propagate")  # hot path: no host sync
     nvfp4 = Recipe("nvfp4", x=rne, w=rne, dy=rne, w_dgrad=rne, x_wgrad=rne, dy_wgrad=rne)
     w4a4 = Recipe("w4a4", x=rne, w=rne, weight_storage="packed")
+    # Four Over Six block scales (each block mapped to 4 or 6, the lower error) on every operand.
+    four_six = _nvfp4(four_over_six=True)
+    nvfp4_46 = Recipe("nvfp4-4over6", **dict.fromkeys(LINEAR_OPERANDS, four_six))
+    # SVDQuant's split as Full-Stack FP4 (arXiv 2607.04422) uses it: W's principal rank-r part in
+    # BF16, only W - L in NVFP4, refitted every 4,000 training forwards.
+    split = LowRank(refresh_every=4000, fit="weight")
     # Full-Stack FP4: lowrank linears, NVFP4 optimizer states, FP4 attention with reuse.
     fullstack = nvfp4.with_(name="fullstack", lowrank=LowRank(), optimizer_states="nvfp4",
                             attention=AttentionQuant.paper())
@@ -61,6 +68,15 @@ def _presets() -> dict[str, Recipe]:
         "lowrank": nvfp4.with_(name="lowrank", lowrank=LowRank()),
         "lowrank-nvidia": nvidia.with_(name="lowrank-nvidia", lowrank=LowRank()),
         "fullstack": fullstack,
+        "nvfp4-4over6": nvfp4_46,
+        "lowrank-svd": nvfp4.with_(name="lowrank-svd", lowrank=split),
+        "lowrank-svd-4over6": nvfp4_46.with_(name="lowrank-svd-4over6", lowrank=split),
+        # Full-Stack FP4 as the paper describes it: 4/6 linears split by SVD, NVFP4 optimizer
+        # states, attention with the QKᵀ and dS GEMMs in NVFP4 and Q̂, K̂ reused. The run's
+        # config names the optimizer (root4) and AdamW4's transform (sqrt-center-hadamard).
+        "fullstack-paper": nvfp4_46.with_(name="fullstack-paper", lowrank=split,
+                                          optimizer_states="nvfp4",
+                                          attention=AttentionQuant.qk_ds()),
         # The best full stack: fullstack on NVIDIA's linear quantizers (every block, every GEMM
         # NVFP4), its attention's backward re-quantizing Q, K, V instead of reusing the forward's.
         "fullstack-nvidia-noreuse": fullstack.with_(

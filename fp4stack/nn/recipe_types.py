@@ -50,20 +50,39 @@ class ResidualCompensation:
         return max(1, min(channels, round(self.k * channels)))
 
 
+LowRankFit = Literal["error", "weight"]
+_FITS = ("error", "weight")
+
+
 @dataclass(frozen=True)
 class LowRank:
-    """Full-Stack FP4 low-rank branch: y += (x Aᵀ) Bᵀ, A and B of rank r from a truncated SVD of
-    W - Q(W), refreshed every `refresh_every` training forwards (0: never), or trained."""
+    """Full-Stack FP4's low-rank part of a linear layer, of rank r, refitted every
+    `refresh_every` training forwards (0: never), or trained.
+
+    fit="error": a branch fitted to the quantization error, y += (x Aᵀ) Bᵀ with B A the
+        truncated SVD of W - Q(W) (nn/lowrank.py).
+    fit="weight": SVDQuant's split, y = x Lᵀ + Q(x) Q(W - L)ᵀ with L W's principal rank-r part
+        (randomized SVD) in high precision and only the residual quantized (nn/lowrank_split.py);
+        L is a function of W, so it is never trained on its own.
+    """
 
     rank: int = 16
     refresh_every: int = 100
     trainable: bool = False
+    fit: LowRankFit = "error"
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"LowRank.rank must be >= 1, got {self.rank}")
         if self.refresh_every < 0:
             raise ValueError(f"LowRank.refresh_every must be >= 0, got {self.refresh_every}")
+        if self.fit not in _FITS:
+            raise ValueError(f"LowRank.fit must be one of {_FITS} (the quantization error's "
+                             f"branch, or the weight's split), got {self.fit!r}")
+        if self.fit == "weight" and self.trainable:
+            raise ValueError("LowRank.trainable=True trains a branch of its own, and "
+                             "fit='weight' splits W itself (its principal part follows W): "
+                             "use fit='error' to train the pair, or trainable=False")
 
 
 _NONE = QuantSpec.none()
@@ -133,6 +152,11 @@ class Recipe:
                              f"got {self.optimizer_states!r}")
         if self.attention is not None and not isinstance(self.attention, AttentionQuant):
             raise ValueError("Recipe.attention must be an AttentionQuant (or None)")
+        if self.lowrank is not None and self.lowrank.fit == "weight" and (
+                self.weight_storage == "packed" or self.w.format == "none"):
+            raise ValueError("Recipe.lowrank with fit='weight' quantizes W - L in the forward "
+                             "from a master weight: it needs an NVFP4 (or FP8) Recipe.w and "
+                             "weight_storage='master'")
         if self.keep_first_blocks < 0 or self.keep_last_blocks < 0:
             raise ValueError("Recipe.keep_first_blocks and keep_last_blocks must be >= 0")
 

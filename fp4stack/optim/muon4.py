@@ -31,7 +31,13 @@ from ..formats.random import lowbias32_int
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from .adamw4 import AdamW4
-from .newton_schulz import _NS_DTYPES, NS_SPEC, GraphedNewtonSchulz, newton_schulz
+from .newton_schulz import (
+    _NS_DTYPES,
+    NS_SPEC,
+    GraphedNewtonSchulz,
+    newton_schulz,  # noqa: F401 (imported from here by callers)
+    orthogonalize,
+)
 from .root_ns import NS_COEFFICIENT_KINDS, clip_outliers, ns_coefficients
 from .state_format import StateFormat
 
@@ -142,6 +148,12 @@ class Muon4(torch.optim.Optimizer):
     cuda_graphs=True: on CUDA each matrix shape's Newton-Schulz is captured once as a CUDA
     graph and replayed (the same kernels, so the same bits; the step is otherwise bound by
     hundreds of small kernel launches per matrix).
+    batched_ns=True: the matrices of one shape in a group (2-D params and the experts of 3-D
+    ones alike) are orthogonalised together (newton_schulz_batched: one batched GEMM per GEMM
+    of a step, each NVFP4 operand still quantized per matrix with its own amax; on CUDA one
+    graph per stack). Its results are the per-matrix ones where bmm sums as mm does, except
+    where the power iteration's batched matvecs round the spectral cap differently (NVFP4
+    only); it holds the stack's updates and Newton-Schulz temporaries at once.
     ns_coefficients: "muon" (Keller Jordan's, every shape) or "root" (per matrix shape,
     optim/root_ns.root_coefficients). outlier_quantile: None (no clipping) or q in (0, 1]: U is
     replaced by clamp(U, -eps, eps), eps the q-quantile of |U| per matrix, before Newton-Schulz
@@ -179,6 +191,7 @@ class Muon4(torch.optim.Optimizer):
         ns_coefficients: str = "muon",
         outlier_quantile: float | None = None,
         adamw_state_format: StateFormat | None = None,
+        batched_ns: bool = True,
     ) -> None:
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -191,12 +204,15 @@ class Muon4(torch.optim.Optimizer):
         self.quantize_ns = quantize if quantize_ns is None else quantize_ns
         self.quantize_state = quantize if quantize_state is None else quantize_state
         self.seed, self.ns_dtype, self.state_rounding = seed, ns_dtype, state_rounding
+        if not isinstance(batched_ns, bool):
+            raise ValueError(f"batched_ns must be True or False, got {batched_ns!r}")
+        self.batched_ns = batched_ns
         if adamw_state_format is not None and not isinstance(adamw_state_format, StateFormat):
             raise ValueError(f"adamw_state_format must be a StateFormat or None, got "
                              f"{adamw_state_format!r}")
         self.adamw_state_format = adamw_state_format
         # CUDA matrices: Newton-Schulz replayed from one CUDA graph per shape (same bits).
-        self._ns = GraphedNewtonSchulz() if cuda_graphs else newton_schulz
+        self._ns = GraphedNewtonSchulz() if cuda_graphs else orthogonalize
         self.muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                   weight_decay=weight_decay, ns_steps=ns_steps,
                                   adjust_lr_fn=adjust_lr_fn, ns_coefficients=ns_coefficients,
@@ -240,10 +256,12 @@ class Muon4(torch.optim.Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
+            updates = []
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(p, group, index)
+                    updates.append((p, self._momentum_step(p, group, index)))
                 index += 1
+            self._orthogonal_steps(updates, group)
         if self.adamw is not None:
             outer = [g for g in self.param_groups if not g["use_muon"]]
             for mine, inner in zip(outer, self.adamw.param_groups, strict=True):
@@ -251,7 +269,8 @@ class Muon4(torch.optim.Optimizer):
             self.adamw.step()
         return loss
 
-    def _step_param(self, p: Tensor, group: dict[str, Any], index: int) -> None:
+    def _momentum_step(self, p: Tensor, group: dict[str, Any], index: int) -> Tensor:
+        """The momentum and weight-decay half of p's step; returns its update U (fp32)."""
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError("Muon4 does not support sparse gradients")
@@ -271,19 +290,44 @@ class Muon4(torch.optim.Optimizer):
             self._store_momentum(p, state, buf, index, step)
         else:
             state["momentum_buffer"] = buf
-        rows, cols = p.shape[-2:]
-        lr_adj = adjusted_lr(group["lr"], rows, cols, group["adjust_lr_fn"])
-        spec = NS_SPEC if self.quantize_ns else None
-        # Groups saved before ROOT's options existed lack them: plain Muon.
-        coefficients = ns_coefficients(group.get("ns_coefficients", "muon"), rows, cols,
-                                       group["ns_steps"])
-        quantile = group.get("outlier_quantile")
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        for w, u in zip(p.view(-1, rows, cols), update.view(-1, rows, cols), strict=True):
-            if quantile is not None:
-                u = clip_outliers(u, quantile)
-            w.add_(self._ns(u, group["ns_steps"], spec, dtype=self.ns_dtype,
-                            coefficients=coefficients), alpha=-lr_adj)
+        return update
+
+    def _orthogonal_steps(self, updates: list[tuple[Tensor, Tensor]],
+                          group: dict[str, Any]) -> None:
+        """W <- W - adjusted_lr * NS(U) for each (p, U) of a group: per matrix, or with
+        batched_ns the matrices of each shape as one stack (a lone matrix on its own)."""
+        by_shape: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}
+        for p, update in updates:
+            rows, cols = p.shape[-2:]
+            pair = (p.view(-1, rows, cols), update.view(-1, rows, cols))
+            by_shape.setdefault((rows, cols), []).append(pair)
+        for (rows, cols), pairs in by_shape.items():
+            lr_adj = adjusted_lr(group["lr"], rows, cols, group["adjust_lr_fn"])
+            # Groups saved before ROOT's options existed lack them: plain Muon.
+            coefficients = ns_coefficients(group.get("ns_coefficients", "muon"), rows, cols,
+                                           group["ns_steps"])
+            if not self.batched_ns or sum(len(ws) for ws, _ in pairs) == 1:
+                for ws, us in pairs:
+                    for w, u in zip(ws, us, strict=True):
+                        w.add_(self._orthogonalise(u, group, coefficients), alpha=-lr_adj)
+                continue
+            out = self._orthogonalise(torch.cat([us for _, us in pairs]), group, coefficients)
+            start = 0
+            for ws, _ in pairs:
+                ws.add_(out[start:start + len(ws)], alpha=-lr_adj)
+                start += len(ws)
+
+    def _orthogonalise(self, u: Tensor, group: dict[str, Any],
+                       coefficients: tuple[float, float, float]) -> Tensor:
+        """NS(U) of a matrix or a stack [B, rows, cols], after ROOT's outlier clipping (each
+        matrix's own threshold) when the group asks for it."""
+        quantile = group.get("outlier_quantile")
+        if quantile is not None:
+            u = clip_outliers(u, quantile)
+        spec = NS_SPEC if self.quantize_ns else None
+        return self._ns(u, group["ns_steps"], spec, dtype=self.ns_dtype,
+                        coefficients=coefficients)
 
     def _state_spec(self) -> QuantSpec:
         return QuantSpec(rounding=self.state_rounding, nan_policy="propagate")

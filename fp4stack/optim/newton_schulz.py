@@ -5,6 +5,11 @@ block's scale is set by the diagonal entry and the small off-diagonal entries (w
 non-orthogonality) are flushed, and quantization noise pushes singular values above ~1.27, which
 the quintic amplifies. Two guards keep it stable: the diagonal parts are applied exactly in fp32
 (only off-diagonal products go through FP4 GEMMs), and each step caps the Gram's top eigenvalue.
+
+`newton_schulz_batched` runs a stack of matrices of one shape together: every GEMM of a step is
+one batched GEMM (bmm / baddbmm) for the stack, and each NVFP4 operand is quantized matrix by
+matrix with its own global amax, exactly as one matrix's; a single matrix is the 2-D case of the
+same functions, with its own (mm / mv) calls.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch
 from torch import Tensor
 
 from ..api import dequantize, quantize
+from ..formats.global_scale import global_decode_scale
 from ..formats.spec import QuantSpec
+from ..formats.tensor import NVFP4Tensor
 
 # Keller Jordan's quintic: its slope at zero is a = 3.4445, so five steps lift singular values
 # from ~1e-3 of the norm into roughly [0.7, 1.2] without converging exactly to 1.
@@ -36,7 +43,12 @@ _NS_DTYPES = (torch.bfloat16, torch.float32)
 
 def _gemm(left: Tensor, right: Tensor, bias: Tensor | None = None, *,
           alpha: float = 1.0, beta: float = 1.0) -> Tensor:
-    """alpha * left @ right + beta * bias: the one place Newton-Schulz multiplies."""
+    """alpha * left @ right + beta * bias: the one place Newton-Schulz multiplies (matrices,
+    or stacks [B, m, k] @ [B, k, n] as one batched GEMM)."""
+    if left.dim() == 3:
+        if bias is None:
+            return torch.bmm(left, right)
+        return torch.baddbmm(bias, left, right, beta=beta, alpha=alpha)
     if bias is None:
         return torch.mm(left, right)
     return torch.addmm(bias, left, right, beta=beta, alpha=alpha)
@@ -44,15 +56,16 @@ def _gemm(left: Tensor, right: Tensor, bias: Tensor | None = None, *,
 
 class Operand(NamedTuple):
     """An NVFP4 GEMM operand split as units (E2M1 value x E4M3 block scale) and the tensor's
-    decode scale (0-d): its values are units * dec, rounded once. Units have at most 6
-    significant bits, so they are exact in fp32, TF32 and BF16, and so are their products."""
+    decode scale (0-d; [B, 1, 1] for a stack, one per matrix): its values are units * dec,
+    rounded once. Units have at most 6 significant bits, so they are exact in fp32, TF32 and
+    BF16, and so are their products."""
 
     units: Tensor
     dec: Tensor
 
     @property
     def T(self) -> Operand:  # noqa: N802 (as Tensor.T)
-        return Operand(self.units.T, self.dec)
+        return Operand(self.units.mT, self.dec)
 
     def values(self) -> Tensor:
         return self.units * self.dec
@@ -60,15 +73,24 @@ class Operand(NamedTuple):
 
 def _operand(x: Tensor, spec: QuantSpec, reduce_dim: int) -> Operand:
     """x as an NVFP4 GEMM operand with blocks along `reduce_dim` (0: a right operand, quantized
-    through its transpose, "column-wise")."""
+    through its transpose, "column-wise"); a stack [B, m, n] matrix by matrix, each with its
+    own global amax (the same quantizations as B separate calls), dequantized at once."""
     if reduce_dim == 0:
-        return _operand(x.T, spec, 1).T
-    q = quantize(x.float().contiguous(), spec=spec)
+        return _operand(x.mT, spec, 1).T
+    if x.dim() == 3:
+        qs = [quantize(m.float().contiguous(), spec=spec) for m in x]
+        amax = torch.stack([q.amax for q in qs])
+        q = NVFP4Tensor(torch.stack([q.data for q in qs]), torch.stack([q.scales for q in qs]),
+                        amax[0], x.shape, spec)
+        dec = global_decode_scale(amax, spec.scale_max)[:, None, None]
+    else:
+        q = quantize(x.float().contiguous(), spec=spec)
+        dec = q.decode_scale
     # Dequantizing with the amax whose decode scale is exactly 1 (6 * 448 * fl(1/2688) == 1 in
     # fp32) gives the units; the operand's values are those of fake_quantize bit for bit.
     full_range = 6.0 * spec.scale_max
     units = dequantize(dataclasses.replace(q, amax=torch.full_like(q.amax, full_range)))
-    return Operand(units, q.decode_scale)
+    return Operand(units, dec)
 
 
 @contextlib.contextmanager
@@ -100,7 +122,11 @@ def _nvfp4_gemm(left: Operand, right: Operand) -> Tensor:
 
 def _top_eigenvalue(gram: Tensor, iters: int = POWER_ITERS) -> Tensor:
     """Estimate of the largest eigenvalue of a PSD matrix (power iteration: fp32 matvecs, no
-    GEMM, no host sync)."""
+    GEMM, no host sync); of each matrix of a stack [B, n, n] as [B, 1, 1], by the same matvecs
+    one matrix at a time: a batched matvec sums in another order, and one ulp of this
+    estimate, where the cap is active, changes every FP4 rounding after it."""
+    if gram.dim() == 3:
+        return torch.stack([_top_eigenvalue(g, iters) for g in gram])[:, None, None]
     v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
     for _ in range(iters):
         v = gram @ v
@@ -109,13 +135,13 @@ def _top_eigenvalue(gram: Tensor, iters: int = POWER_ITERS) -> Tensor:
 
 
 def _split_diagonal(m: Tensor) -> tuple[Tensor, Tensor]:
-    d = m.diagonal()
-    return d, m - torch.diag(d)
+    d = m.diagonal(dim1=-2, dim2=-1)
+    return d, m - torch.diag_embed(d)
 
 
 def _plain_step(x: Tensor, a: float, b: float, c: float) -> Tensor:
     """One quintic step in x's dtype: torch.optim.Muon's operations, in its order."""
-    gram = _gemm(x, x.T)
+    gram = _gemm(x, x.mT)
     poly = _gemm(gram, gram, gram, alpha=c, beta=b)
     return _gemm(poly, x, x, beta=a)
 
@@ -138,10 +164,13 @@ def _nvfp4_step(x: Tensor, spec: QuantSpec, a: float, b: float, c: float) -> Ten
     x, gram = x / scale, gram / scale**2
     d, off = _split_diagonal(gram)
     square = _nvfp4_gemm(_operand(off, spec, 1), _operand(off, spec, 0))  # O·O: over O's cols
-    square = square + d[:, None] * off + off * d[None, :] + torch.diag(d * d)  # (D + O)²
-    poly = c * square + b * gram + a * torch.eye(len(d), dtype=gram.dtype, device=gram.device)
+    square = (square + d[..., :, None] * off + off * d[..., None, :]
+              + torch.diag_embed(d * d))  # (D + O)²
+    eye = torch.eye(d.shape[-1], dtype=gram.dtype, device=gram.device)
+    poly = c * square + b * gram + a * eye
     pd, poff = _split_diagonal(poly)
-    return pd[:, None] * x + _nvfp4_gemm(_operand(poff, spec, 1), _operand(x, spec, 0))  # X rows
+    return pd[..., :, None] * x + _nvfp4_gemm(_operand(poff, spec, 1),
+                                              _operand(x, spec, 0))  # X rows
 
 
 def newton_schulz(
@@ -166,7 +195,35 @@ def newton_schulz(
     See _nvfp4_step for the diagonal split and the spectral cap this needs to stay stable.
     """
     if g.dim() != 2:
-        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}; a "
+                         "stack of matrices of one shape: newton_schulz_batched")
+    return _iterate(g, steps, spec, eps, dtype, coefficients)
+
+
+def newton_schulz_batched(
+    g: Tensor,
+    steps: int = 5,
+    spec: QuantSpec | None = None,
+    eps: float = 1e-7,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+) -> Tensor:
+    """`newton_schulz` of each matrix of a stack g [B, rows, cols], all at once: each GEMM of a
+    step is one batched GEMM over the stack, each NVFP4 operand is quantized per matrix (its own
+    global amax, the operands of B separate calls bit for bit), the norms, power iterations and
+    spectral caps are per matrix. Where bmm sums as mm does (the CPU's, tested), the results are
+    those of B calls, except that the power iteration's batched matvecs may round differently
+    from mv: its estimate moves only the cap, which is 1 unless a matrix's Gram exceeds CAP²."""
+    if g.dim() != 3:
+        raise ValueError(f"newton_schulz_batched needs a stack [B, rows, cols], got shape "
+                         f"{tuple(g.shape)}; one matrix: newton_schulz")
+    return _iterate(g, steps, spec, eps, dtype, coefficients)
+
+
+def _iterate(g: Tensor, steps: int, spec: QuantSpec | None, eps: float, dtype: torch.dtype,
+             coefficients: tuple[float, float, float]) -> Tensor:
+    """newton_schulz of a matrix, or of each matrix of a stack [B, rows, cols]."""
     if not isinstance(steps, int) or not 0 <= steps < 100:
         raise ValueError(f"steps must be an int in [0, 100), got {steps!r}")
     if not g.is_floating_point():
@@ -174,16 +231,19 @@ def newton_schulz(
     if spec is not None and dtype not in _NS_DTYPES:
         raise ValueError(f"with a spec, dtype must be one of {_NS_DTYPES}, got {dtype}")
     x = g.to(dtype)
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+        x = x.mT
+    # spectral norm <= Frobenius norm <= 1
+    norm = (x.norm() if x.dim() == 2
+            else torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))
+    x = x / norm.clamp(min=eps)
     for _ in range(steps):
         if spec is None:
             x = _plain_step(x, *coefficients)
         else:
             x = _nvfp4_step(x.float(), spec, *coefficients).to(dtype)
-    return x.T if tall else x
+    return x.mT if tall else x
 
 
 def replayable(spec: QuantSpec | None) -> bool:
@@ -194,7 +254,8 @@ def replayable(spec: QuantSpec | None) -> bool:
 
 
 class GraphedNewtonSchulz:
-    """newton_schulz replayed from CUDA graphs, one per (shape, dtype, steps, spec, ...).
+    """newton_schulz replayed from CUDA graphs, one per (shape, dtype, steps, spec, ...); a
+    stack [B, rows, cols] is newton_schulz_batched's, captured once for the whole stack.
 
     One NS call is some 70 small kernels per step (the NVFP4 one ~350 in five steps: operand
     quantizers, power iterations, diagonal splits), so on a GPU a step of Muon over a model's
@@ -217,7 +278,7 @@ class GraphedNewtonSchulz:
                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS) -> Tensor:
         if (g.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
                 or not replayable(spec)):
-            return newton_schulz(g, steps, spec, dtype=dtype, coefficients=coefficients)
+            return orthogonalize(g, steps, spec, dtype=dtype, coefficients=coefficients)
         key = (tuple(g.shape), g.dtype, g.device, steps, spec, dtype, tuple(coefficients))
         entry = self._graphs.get(key)
         if entry is None:
@@ -236,11 +297,16 @@ class GraphedNewtonSchulz:
         side.wait_stream(torch.cuda.current_stream(g.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                newton_schulz(static_in, steps, spec, dtype=dtype, coefficients=coefficients)
+                orthogonalize(static_in, steps, spec, dtype=dtype, coefficients=coefficients)
         torch.cuda.current_stream(g.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static_out = newton_schulz(static_in, steps, spec, dtype=dtype,
-                                       coefficients=coefficients)
+            static_out = orthogonalize(static_in, steps, spec, dtype=dtype,
+                                    coefficients=coefficients)
         self._pool = graph.pool()
         return static_in, static_out, graph
+
+
+def orthogonalize(g: Tensor, *args, **kwargs) -> Tensor:
+    """newton_schulz of a matrix, newton_schulz_batched of a stack [B, rows, cols]."""
+    return (newton_schulz_batched if g.dim() == 3 else newton_schulz)(g, *args, **kwargs)

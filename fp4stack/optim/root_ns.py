@@ -141,21 +141,25 @@ def ns_coefficients(kind: str, rows: int, cols: int, steps: int) -> Coefficients
     raise ValueError(f"ns_coefficients must be one of {NS_COEFFICIENT_KINDS}, got {kind!r}")
 
 
-def outlier_threshold(u: Tensor, quantile: float) -> Tensor:
+def outlier_threshold(u: Tensor, quantile: float, per_matrix: bool = False) -> Tensor:
     """The `quantile` of |u| over all its entries (0-d, u's float dtype), linearly interpolated
-    between order statistics as torch.quantile does (which refuses tensors over 2^24 entries)."""
-    flat = u.detach().abs().flatten()
-    pos = quantile * (flat.numel() - 1)
+    between order statistics as torch.quantile does (which refuses tensors over 2^24 entries).
+    per_matrix: of each matrix of a stack [B, rows, cols] on its own, as [B, 1, 1] (the same
+    order statistics, selected along each matrix's entries)."""
+    flat = u.detach().abs()
+    flat = flat.reshape(flat.shape[0], -1) if per_matrix else flat.reshape(1, -1)
+    pos = quantile * (flat.shape[1] - 1)
     lo, hi = math.floor(pos), math.ceil(pos)
-    low = flat.kthvalue(lo + 1).values
-    if hi == lo:
-        return low
-    return torch.lerp(low, flat.kthvalue(hi + 1).values, pos - lo)
+    low = flat.kthvalue(lo + 1, dim=1).values
+    if hi != lo:
+        low = torch.lerp(low, flat.kthvalue(hi + 1, dim=1).values, pos - lo)
+    return low[:, None, None] if per_matrix else low.reshape(())
 
 
 def clip_outliers(u: Tensor, quantile: float) -> Tensor:
     """ROOT's robust part B = u - T_eps(u) = clamp(u, -eps, eps) of a matrix u, with eps the
     `quantile` of |u| and T_eps the soft-threshold sign(u) max(|u| - eps, 0) (the outliers,
-    dropped). eps = 0 (mostly zero entries) leaves u as it is."""
-    eps = outlier_threshold(u, quantile)
+    dropped). eps = 0 (mostly zero entries) leaves u as it is. A stack [B, rows, cols]: each
+    matrix with its own eps."""
+    eps = outlier_threshold(u, quantile, per_matrix=u.dim() == 3)
     return torch.where(eps > 0, torch.clamp(u, -eps, eps), u)  # no host sync

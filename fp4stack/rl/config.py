@@ -8,13 +8,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config_fields import check_float, check_int, check_keys, read_yaml
+from ..config_fields import check_float, check_int, check_keys, read_yaml, suggest
 from .fast_rollout import ENGINES
 from .rollout import PRECISIONS
 
 TRAINERS = ("bf16", "qat-w")
 CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
 ALARM_ACTIONS = ("off", "warn", "stop")
+# The keys a policy of each kind takes (a gpt policy's are GPTConfig fields and `preset`).
+POLICY_KEYS = {"gpt": (), "smollm2": ("kind", "as_gpt"), "hf": ("kind", "path", "as_gpt")}
 
 
 @dataclass
@@ -22,7 +24,9 @@ class RLConfig:
     """One GRPO run: policy, task, rollout precision, trainer recipe and the loop's sizes."""
 
     # policy: {kind: gpt, <GPTConfig field>: ...} (trained from scratch, SFT warm-up first),
-    # {kind: smollm2} or {kind: hf, path: DIR}; upcycle: {n_experts: E, top_k: k} for dense ones.
+    # {kind: smollm2} or {kind: hf, path: DIR}; as_gpt: true loads a smollm2 / hf policy's
+    # weights into fp4stack's GPT (the fast engine's model); upcycle: {n_experts: E, top_k: k}
+    # for dense ones.
     policy: dict[str, Any] = field(default_factory=lambda: {"kind": "gpt", "preset": "tiny-moe"})
     upcycle: dict[str, int] | None = None
     task: str = "arithmetic:add"  # built-in name or package.module:callable
@@ -34,7 +38,8 @@ class RLConfig:
     compensation: float = 0.05  # quads: fraction of input channels compensated
     logprobs: str = "score"  # the engine's log-probs: "score" (one forward) or "sample"
     # engine: "fast" (static KV cache, CUDA-graph decoding, device sampling; fp4stack GPT
-    # policies only), "reference" (RolloutEngine, eager) or "auto": fast on CUDA for GPT policies
+    # policies only: kind gpt or as_gpt), "reference" (RolloutEngine, eager) or "auto": fast on
+    # CUDA for GPT policies
     engine: str = "auto"
     trainer: str = "qat-w"  # bf16 or qat-w
     correction: str = "none"  # rollout correction: none, token-tis, token-mis, seq-tis, seq-mis
@@ -95,13 +100,11 @@ class RLConfig:
                              f"{self.compensation!r}")
         if self.correction_cap <= 0:
             raise ValueError("correction_cap must be > 0")
-        if not isinstance(self.policy, dict) or "kind" not in self.policy:
-            raise ValueError("policy must be a mapping with a kind: gpt, smollm2 or hf")
-        if self.policy["kind"] not in ("gpt", "smollm2", "hf"):
-            raise ValueError(f"policy.kind must be gpt, smollm2 or hf, got {self.policy['kind']!r}")
-        if self.engine == "fast" and self.policy["kind"] != "gpt":
+        check_policy(self.policy)
+        if self.engine == "fast" and not is_gpt_policy(self.policy):
             raise ValueError(f"engine 'fast' runs fp4stack GPT policies only, not policy.kind "
-                             f"{self.policy['kind']!r}: set engine: reference (or auto)")
+                             f"{self.policy['kind']!r}: set policy.as_gpt: true (its weights "
+                             "in fp4stack's GPT) or engine: reference (or auto)")
         if self.engine == "fast" and self.routing_replay and self.logprobs == "sample":
             raise ValueError("engine 'fast' records MoE routing from the scoring forward only: "
                              "routing_replay with logprobs: sample needs engine: reference (or "
@@ -116,6 +119,36 @@ class RLConfig:
     def with_overrides(self, **overrides: Any) -> RLConfig:
         """A validated copy with the non-None overrides applied (CLI flags)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def check_policy(policy: Any) -> None:
+    """ValueError naming the field unless `policy` is a valid `RLConfig.policy` mapping (a gpt
+    policy's GPTConfig fields are checked when the model is built)."""
+    if not isinstance(policy, dict) or "kind" not in policy:
+        raise ValueError("policy must be a mapping with a kind: gpt, smollm2 or hf")
+    kind = policy["kind"]
+    if kind not in POLICY_KEYS:
+        raise ValueError(f"policy.kind must be gpt, smollm2 or hf, got {kind!r}")
+    if kind == "gpt":
+        if "as_gpt" in policy:
+            raise ValueError("policy.as_gpt applies to kinds smollm2 and hf (their weights "
+                             "loaded into fp4stack's GPT); a gpt policy is one already")
+        return
+    known = POLICY_KEYS[kind]
+    for key in policy:
+        if key not in known:
+            raise ValueError(f"policy.{key} is unknown for kind {kind}"
+                             f"{suggest(str(key), known)}; it takes {list(known)}")
+    if kind == "hf" and not isinstance(policy.get("path"), str | os.PathLike):
+        raise ValueError("policy.path: kind hf needs path: a directory saved with "
+                         f"save_pretrained, got {policy.get('path')!r}")
+    if not isinstance(policy.get("as_gpt", False), bool):
+        raise ValueError(f"policy.as_gpt must be true or false, got {policy['as_gpt']!r}")
+
+
+def is_gpt_policy(policy: dict[str, Any]) -> bool:
+    """Whether the policy is built as fp4stack's GPT (kind gpt, or as_gpt: true)."""
+    return policy["kind"] == "gpt" or bool(policy.get("as_gpt", False))
 
 
 def load_rl_config(path: str | os.PathLike | None = None, **overrides: Any) -> RLConfig:

@@ -20,8 +20,12 @@ Why each piece is there:
 - compile_step=True (opt-in): the step's model forward goes through torch.compile before it is
   captured, so its elementwise work (norms, RoPE, SwiGLU, residuals) runs as fused kernels:
   fewer launches in the graph. Sampling stays eager (Inductor cannot yet split the float64
-  cumsum over a 32k vocabulary). Fused fp32 maths may round differently from eager: the tokens then
-  equal the reference's to the same accumulation-order bound, not bit for bit.
+  cumsum over a 32k vocabulary). Checked against the reference for bf16 and nvfp4; quads
+  under compile is not (its discrete channel choice can follow a last-bit change of x).
+- fuse_projections=True (opt-in): q/k/v and gate/up run as one GEMM each where their weights
+  allow (nn.fused_projections): fewer launches, the shared input quantized once.
+Both options keep the values multiplied but may change summation orders (fused elementwise
+maths, wider GEMMs): the tokens then equal the reference's to that bound, not bit for bit.
 The prefill and the scoring forward are the reference engine's own calls, so logprobs="score"
 gives the reference's log-probs bit for bit whenever the tokens are the same.
 """
@@ -37,6 +41,7 @@ from torch import Tensor, nn
 
 from ..models.gpt import GPT
 from ..models.static_cache import StaticKVCache, decode_mask
+from ..nn.fused_projections import fuse_projections as fuse
 from . import policy as lm
 from .rollout import Rollout, RolloutEngine, top_p_sorted
 
@@ -155,7 +160,8 @@ class FastRolloutEngine(RolloutEngine):
 
     def __init__(self, model: nn.Module, tokenizer: lm.TokenizerLike, precision: str = "quads",
                  *, use_cuda_graph: bool | None = None, eos_check_every: int = 8,
-                 max_slots: int = 4, compile_step: bool = False, **kwargs) -> None:
+                 max_slots: int = 4, compile_step: bool = False,
+                 fuse_projections: bool = False, **kwargs) -> None:
         if not isinstance(model, GPT):
             raise ValueError(f"FastRolloutEngine runs fp4stack GPT policies only, not "
                              f"{type(model).__name__}; use RolloutEngine (engine='reference') "
@@ -169,6 +175,8 @@ class FastRolloutEngine(RolloutEngine):
         self.eos_check_every = eos_check_every
         self.max_slots = max_slots
         self.compile_step = bool(compile_step)
+        # Before any slot exists: the graphs read the fused layout's addresses.
+        self.fused_groups = fuse(self.model) if fuse_projections else 0
         # dynamic=False: one specialised kernel set per slot shape, as the graphs are per slot.
         self._forward_at = (torch.compile(self.model.forward_at, dynamic=False) if compile_step
                             else self.model.forward_at)
@@ -345,8 +353,8 @@ def build_engine(kind: str, model: nn.Module, tokenizer: lm.TokenizerLike,
                  fast_options: dict | None = None, **kwargs) -> RolloutEngine:
     """The rollout engine `kind` ("auto", "fast" or "reference", see `resolve_engine`) names,
     built from the unconverted policy. kwargs go to either engine's constructor, fast_options
-    (use_cuda_graph, eos_check_every, max_slots, compile_step) to the fast one only; record:
-    whether generate will be asked to record MoE routing."""
+    (use_cuda_graph, eos_check_every, max_slots, compile_step, fuse_projections) to the fast one
+    only; record: whether generate will be asked to record MoE routing."""
     chosen = resolve_engine(kind, model, logprobs=kwargs.get("logprobs", "score"), record=record)
     if chosen == "fast":
         return FastRolloutEngine(model, tokenizer, precision, **(fast_options or {}), **kwargs)

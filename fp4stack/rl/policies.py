@@ -1,6 +1,7 @@
 """Policies for RL: fp4stack's GPT (trained from scratch: an SFT warm-up on the task's format
 first, so rewards are not all zero) or a Hugging Face causal LM (SmolLM2-135M offline, or a
-directory), optionally upcycled from dense to MoE; and the SFT warm-up itself."""
+directory), run by transformers or, with `as_gpt: true`, loaded into fp4stack's GPT (the model
+the fast engine decodes); optionally upcycled from dense to MoE; and the SFT warm-up itself."""
 
 from __future__ import annotations
 
@@ -46,15 +47,32 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
         return model, tokenizer
     from ..models.hf import hf_directory, smollm2
 
-    loaded = smollm2() if kind == "smollm2" else hf_directory(spec["path"])
+    loaded = smollm2() if kind == "smollm2" else hf_directory(str(spec["path"]))
     if loaded.tokenizer is None:
         raise ValueError(f"policy {kind}: the model has no tokenizer; RL needs one")
+    if spec.get("as_gpt"):
+        return _as_gpt(loaded.model, kind, upcycle, seed), lm.HFTokenizer(loaded.tokenizer)
     # .to, not .float(): transformers refuses .float() on a model loaded from GGUF (SmolLM2),
     # although its weights are already dequantized to plain tensors.
     model = loaded.model.to(torch.float32)
     if upcycle:
         upcycle_hf(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
     return model, lm.HFTokenizer(loaded.tokenizer)
+
+
+def _as_gpt(hf: nn.Module, kind: str, upcycle: dict[str, int] | None, seed: int) -> GPT:
+    """The Hugging Face model's weights in fp4stack's GPT (fp32), upcycled if asked."""
+    from ..models.hf_import import UnsupportedModel, gpt_from_hf
+
+    try:
+        # max_seq_len: the model's own limit, as the transformers policy has it.
+        model = gpt_from_hf(hf, dtype=torch.float32)
+    except UnsupportedModel as e:
+        raise ValueError(f"policy {kind} with as_gpt: {e}; set as_gpt: false to run it through "
+                         "transformers (engine: reference)") from e
+    if upcycle:
+        model = upcycle_gpt(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
+    return model
 
 
 def encode_example(tokenizer: lm.TokenizerLike, prompt: str, completion: str | None = None

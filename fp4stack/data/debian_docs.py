@@ -1,0 +1,317 @@
+"""Named corpus sources from Debian documentation packages and dictionaries.
+
+Each source is one Debian package, read without installing it: the files under `prefix` whose
+names end in one of `suffixes`, minus those matching `exclude` (indexes, search pages, source-code
+views, redirects, other languages), converted from their markup to plain text (fp4stack.data.
+markup). Pages with fewer than MIN_WORDS words after conversion (stubs, redirects, tables of
+contents) are left out. A dictd dictionary has no pages: its entries, in the database's order,
+are grouped into documents of about DICT_DOC_CHARS characters.
+
+The licence of each source is its Debian copyright file's (usr/share/doc/PACKAGE/copyright).
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import markup
+from .corpus import Document, Source, _deb_members, _debian_fetch, _document
+
+MIN_WORDS = 30
+DICT_DOC_CHARS = 16_000
+
+_CONVERTERS: dict[str, Callable[[str], str]] = {
+    "html": markup.html_to_text,
+    "man": markup.roff_to_text,
+    "pod": markup.pod_to_text,
+    "text": lambda s: s,
+}
+# Pages that are lists of links, not text, in the generators these packages use.
+_INDEX_PAGES = r"(^|/)(genindex|py-modindex|search|searchindex|doc-index|index-all)[^/]*$"
+
+
+@dataclass(frozen=True)
+class DebianDoc:
+    package: str
+    prefix: str  # folder inside the package, ending in "/"
+    suffixes: tuple[str, ...]
+    markup: str  # a key of _CONVERTERS, or "dictd"
+    license: str
+    description: str
+    exclude: str = ""  # regular expression over the path below `prefix`
+
+
+def _read_pages(name: str, spec: DebianDoc) -> Callable[[list[Path]], Iterator[Document]]:
+    convert = _CONVERTERS[spec.markup]
+    skip = re.compile("|".join(p for p in (_INDEX_PAGES, spec.exclude) if p))
+
+    def read(files: list[Path]) -> Iterator[Document]:
+        pages = {}
+        for path, raw in _deb_members(files[0], spec.prefix, spec.suffixes):
+            if skip.search(path):
+                continue
+            if path.endswith(".gz"):
+                raw, path = gzip.decompress(raw), path[:-3]
+            pages[path] = raw
+        for path in sorted(pages):
+            text = convert(pages[path].decode("utf-8", errors="replace"))
+            if len(text.split()) >= MIN_WORDS:
+                doc = _document(name, path, text)
+                if doc:
+                    yield doc
+
+    return read
+
+
+def _read_dictd(name: str, spec: DebianDoc) -> Callable[[list[Path]], Iterator[Document]]:
+    def read(files: list[Path]) -> Iterator[Document]:
+        members = dict(_deb_members(files[0], spec.prefix, (".index", ".dict.dz", ".dict")))
+        for index_name in sorted(m for m in members if m.endswith(".index")):
+            base = index_name[: -len(".index")]
+            data = members.get(base + ".dict.dz")
+            data = gzip.decompress(data) if data is not None else members.get(base + ".dict")
+            if data is None:
+                raise RuntimeError(f"{files[0].name}: {index_name} has no .dict(.dz) beside it")
+            entries = markup.dictd_entries(members[index_name].decode("utf-8", "replace"), data)
+            yield from _group_entries(name, base, entries)
+
+    return read
+
+
+def _group_entries(name: str, base: str, entries: list[tuple[str, str]]) -> Iterator[Document]:
+    """Consecutive entries joined into documents of about DICT_DOC_CHARS characters, each named
+    after its first headword."""
+    group: list[str] = []
+    first, size = "", 0
+    for word, text in [*entries, ("", "")]:
+        if group and (size >= DICT_DOC_CHARS or not text):
+            doc = _document(name, f"{base}:{first}", "\n\n".join(group))
+            if doc:
+                yield doc
+            group, size = [], 0
+        if text:
+            first = first if group else word
+            group.append(text)
+            size += len(text) + 2
+
+
+def _source(name: str, spec: DebianDoc) -> Source:
+    read = _read_dictd(name, spec) if spec.markup == "dictd" else _read_pages(name, spec)
+    return Source(name=name, description=f"{spec.description}, from the Debian package "
+                  f"{spec.package}", license=spec.license, fetch=_debian_fetch(spec.package),
+                  read=read)
+
+
+_SPHINX = r"(^|/)(_modules|_static|_images|_downloads)/"
+_LANG = "ca|cs|de|es|fr|hu|it|ja|nl|pt|zh|ko|ru"
+_LANGS = rf"(^|/)({_LANG})(/|$)|\.({_LANG})\.html$"  # translations: English only
+
+DEBIAN_DOCS: dict[str, DebianDoc] = {
+    # Books and manuals, mostly prose.
+    "debian-handbook": DebianDoc(
+        "debian-handbook", "usr/share/doc/debian-handbook/html/en-US/", (".html",), "html",
+        "GPL-2.0-or-later OR CC-BY-SA-3.0", "The Debian Administrator's Handbook (English)"),
+    "debian-reference": DebianDoc(
+        "debian-reference-en", "usr/share/debian-reference/", (".en.html",), "html",
+        "GPL-2.0-or-later", "Debian Reference (English)"),
+    "debian-policy": DebianDoc(
+        "debian-policy", "usr/share/doc/debian-policy/policy.html/_sources/", (".txt",),
+        "text", "GPL-2.0-or-later", "Debian Policy Manual (reST sources)"),
+    "developers-reference": DebianDoc(
+        "developers-reference", "usr/share/developers-reference/_sources/", (".txt",), "text",
+        "GPL-2.0", "Debian Developer's Reference (reST sources)"),
+    "maint-guide": DebianDoc(
+        "maint-guide", "usr/share/doc/maint-guide/html/", (".en.html",), "html",
+        "GPL-2.0-or-later", "Debian New Maintainers' Guide (English)"),
+    "gnu-standards": DebianDoc(
+        "gnu-standards", "usr/share/doc/gnu-standards/", (".html",), "html",
+        "GFDL-1.3-or-later", "GNU Coding Standards and Information for Maintainers of GNU "
+        "Software"),
+    "perl-doc": DebianDoc(
+        "perl-doc", "usr/share/perl/5.36.0/pod/", (".pod",), "pod", "GPL-1.0-or-later OR "
+        "Artistic-1.0-Perl", "Perl 5.36 manual (POD)", exclude=r"perl5\d+delta|perlhist"),
+    "rust-doc": DebianDoc(
+        "rust-doc", "usr/share/doc/rust-doc/html/", (".html",), "html", "MIT OR Apache-2.0",
+        "Rust 1.63 books (The Rust Programming Language, reference, nomicon, Rust by Example, "
+        "unstable book) and standard library API documentation",
+        exclude=r"^src/|/(all|sidebar-items|print)\.html$|/core_arch/"),
+    "git-doc": DebianDoc(
+        "git-doc", "usr/share/doc/git-doc/", (".txt",), "text", "GPL-2.0",
+        "Git manual pages, user manual and technical documentation (AsciiDoc sources)",
+        exclude=r"RelNotes|^howto-index"),
+    "bash-doc": DebianDoc(
+        "bash-doc", "usr/share/doc/bash/", (".html",), "html", "GPL-3.0-or-later",
+        "Bash reference manual"),
+    "postgresql-doc": DebianDoc(
+        "postgresql-doc-15", "usr/share/doc/postgresql-doc-15/html/", (".html",), "html",
+        "PostgreSQL", "PostgreSQL 15 documentation", exclude=r"^release-|^bookindex"),
+    "sqlite-doc": DebianDoc(
+        "sqlite3-doc", "usr/share/doc/sqlite3/", (".html",), "html", "public-domain",
+        "SQLite documentation", exclude=r"^releaselog/|^(changes|chronology|sitemap|"
+        r"doclist|keyword_index|toc)\.html$"),
+    "vim-doc": DebianDoc(
+        "vim-doc", "usr/share/doc/vim/html/", (".html",), "html", "Vim", "Vim 9.0 help "
+        "files", exclude=r"^(tags|version\d)"),
+    "cmake-doc": DebianDoc(
+        "cmake-doc", "usr/share/doc/cmake-data/html/_sources/", (".txt",), "text",
+        "BSD-3-Clause", "CMake 3.25 documentation (reST sources)", exclude=r"^release/"),
+    "python-django-doc": DebianDoc(
+        "python-django-doc", "usr/share/doc/python-django-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Django 3.2 documentation", exclude=_SPHINX + r"|^releases/"),
+    "python-scipy-doc": DebianDoc(
+        "python-scipy-doc", "usr/share/doc/python-scipy-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "SciPy 1.10 documentation", exclude=_SPHINX + r"|^release/"),
+    "python-sklearn-doc": DebianDoc(
+        "python-sklearn-doc", "usr/share/doc/python-sklearn-doc/html/_sources/", (".txt",),
+        "text", "BSD-3-Clause", "scikit-learn 1.2 documentation (reST sources)",
+        exclude=r"^whats_new"),
+    "python-pandas-doc": DebianDoc(
+        "python-pandas-doc", "usr/share/doc/python-pandas-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "pandas 1.5 documentation", exclude=_SPHINX + r"|^whatsnew/"),
+    "python-statsmodels-doc": DebianDoc(
+        "python-statsmodels-doc", "usr/share/doc/python-statsmodels-doc/html/", (".html",),
+        "html", "BSD-3-Clause", "statsmodels 0.13 documentation",
+        exclude=_SPHINX + r"|^release/"),
+    "python-sympy-doc": DebianDoc(
+        "python-sympy-doc", "usr/share/doc/python-sympy-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "SymPy 1.11 documentation", exclude=_SPHINX),
+    "python-astropy-doc": DebianDoc(
+        "python-astropy-doc", "usr/share/doc/python-astropy-doc/html/_sources/", (".txt",),
+        "text", "BSD-3-Clause", "Astropy 5.2 documentation (reST sources)",
+        exclude=r"^changelog"),
+    "twisted-doc": DebianDoc(
+        "twisted-doc", "usr/share/doc/twisted-doc/html/", (".html",), "html", "MIT",
+        "Twisted 22.4 documentation and API reference", exclude=_SPHINX + r"|^api/.*\.html\?"),
+    "qtbase5-doc": DebianDoc(
+        "qtbase5-doc-html", "usr/share/qt5/doc/", (".html",), "html",
+        "GFDL-1.3-no-invariants-only", "Qt 5.15 base documentation",
+        exclude=r"-(members|obsolete)\.html$"),
+    "openjdk-17-doc": DebianDoc(
+        "openjdk-17-doc", "usr/share/doc/openjdk-17-jre-headless/api/", (".html",), "html",
+        "GPL-2.0 WITH Classpath-exception-2.0", "Java SE 17 API documentation",
+        exclude=r"index-files|-tree\.html$|/class-use/|package-use\.html$|^(allclasses|"
+        "allpackages|constant-values|deprecated-list|overview-tree|serialized-form|help-doc)"),
+    "cppreference": DebianDoc(
+        "cppreference-doc-en-html", "usr/share/cppreference/doc/html/en/", (".html",), "html",
+        "CC-BY-SA-3.0 OR GFDL-1.2-no-invariants", "cppreference.com C and C++ reference "
+        "(2017)"),
+    "erlang-doc": DebianDoc(
+        "erlang-doc", "usr/share/doc/erlang-doc/", (".html",), "html", "Apache-2.0",
+        "Erlang/OTP 25 documentation", exclude=r"(^|/)(wx-[^/]*|man_index|release_notes|"
+        r"notes)(/|\.html$)"),
+    "racket-doc": DebianDoc(
+        "racket-doc", "usr/share/doc/racket/", (".html",), "html",
+        "MIT OR Apache-2.0", "Racket 8.7 documentation (guide, reference, libraries)"),
+    "ghc-doc": DebianDoc(
+        "ghc-doc", "usr/share/doc/ghc-doc/html/", (".html",), "html", "BSD-3-Clause",
+        "GHC 9.0 user's guide and Haskell library documentation",
+        exclude=r"(^|/)src/|doc-index|mini_"),
+    "lilypond-doc": DebianDoc(
+        "lilypond-doc-html", "usr/share/doc/lilypond/html/", (".html",), "html",
+        "GFDL-1.3-or-later", "LilyPond 2.24 manuals (English)", exclude=_LANGS),
+    "gimp-help": DebianDoc(
+        "gimp-help-en", "usr/share/gimp/2.0/help/en/", (".html",), "html",
+        "GFDL-1.2-or-later", "GIMP 2.10 user manual (English)"),
+    "ada-rm": DebianDoc(
+        "ada-reference-manual-2020", "usr/share/doc/ada-reference-manual-2020/aarm2020.txt/",
+        (".TXT",), "text", "ARM-License (copy and distribute verbatim)",
+        "Annotated Ada 2022 Reference Manual (text)"),
+    "sagemath-doc": DebianDoc(
+        "sagemath-doc", "usr/share/doc/sagemath/html/en/", (".html",), "html",
+        "GPL-2.0-or-later", "SageMath 9.5 documentation (English)", exclude=_SPHINX),
+    "boost-doc": DebianDoc(
+        "libboost1.81-doc", "usr/share/doc/libboost1.81-doc/doc/html/", (".html",), "html",
+        "BSL-1.0", "Boost 1.81 library documentation"),
+    "llvm-doc": DebianDoc(
+        "llvm-19-doc", "usr/share/doc/llvm-19-doc/html/_sources/", (".txt",), "text",
+        "Apache-2.0 WITH LLVM-exception", "LLVM 19 documentation (reST sources)",
+        exclude=r"ReleaseNotes"),
+    "clang-doc": DebianDoc(
+        "clang-19-doc", "usr/share/doc/clang-19/html/_sources/", (".txt",), "text",
+        "Apache-2.0 WITH LLVM-exception", "Clang 19 documentation (reST sources)",
+        exclude=r"ReleaseNotes|AttributeReference|DiagnosticsReference"),
+    "linux-docs-6.12": DebianDoc(
+        "linux-doc-6.12", "usr/share/doc/linux-doc-6.12/Documentation/", (".rst.gz",
+        ".txt.gz"), "text", "GPL-2.0", "Linux 6.12 kernel documentation (reST sources; mostly "
+        "the same pages as linux-docs, which deduplication removes)"),
+    "nodejs-doc": DebianDoc(
+        "nodejs-doc", "usr/share/doc/nodejs/api/", (".md.gz", ".md"), "text", "MIT",
+        "Node.js API documentation (Markdown)", exclude=r"^all\.|^index\."),
+    "octave-doc": DebianDoc(
+        "octave-doc", "usr/share/doc/octave/", (".html",), "html", "GPL-3.0-or-later",
+        "GNU Octave manual"),
+    "gnuplot-doc": DebianDoc(
+        "gnuplot-doc", "usr/share/doc/gnuplot/htmldocs/", (".html",), "html", "gnuplot",
+        "gnuplot manual"),
+    "kicad-doc": DebianDoc(
+        "kicad-doc-en", "usr/share/doc/kicad/help/en/", (".html",), "html",
+        "GPL-3.0-or-later", "KiCad user manuals (English)"),
+    "glib-doc": DebianDoc(
+        "libglib2.0-doc", "usr/share/gtk-doc/html/", (".html",), "html", "LGPL-2.1-or-later",
+        "GLib, GObject and GIO reference manuals", exclude=r"(^|/)(api-index|annotation-"
+        r"glossary|ix\d+|index)[^/]*\.html$"),
+    "gtk4-doc": DebianDoc(
+        "libgtk-4-doc", "usr/share/doc/libgtk-4-doc/", (".html",), "html",
+        "LGPL-2.1-or-later", "GTK 4 reference manuals"),
+    "sphinx-doc": DebianDoc(
+        "sphinx-doc", "usr/share/doc/sphinx-doc/html/", (".html",), "html", "BSD-2-Clause",
+        "Sphinx documentation", exclude=_SPHINX + r"|^changes"),
+    "python-sqlalchemy-doc": DebianDoc(
+        "python-sqlalchemy-doc", "usr/share/doc/python-sqlalchemy-doc/html/", (".html",),
+        "html", "MIT", "SQLAlchemy documentation", exclude=_SPHINX + r"|^changelog/"),
+    "python-dask-doc": DebianDoc(
+        "python-dask-doc", "usr/share/doc/python-dask-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Dask documentation", exclude=_SPHINX + r"|^changelog"),
+    "python-xarray-doc": DebianDoc(
+        "python-xarray-doc", "usr/share/doc/python-xarray-doc/html/", (".html",), "html",
+        "Apache-2.0", "xarray documentation", exclude=_SPHINX + r"|^whats-new"),
+    "python-celery-doc": DebianDoc(
+        "python-celery-doc", "usr/share/doc/python-celery-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Celery documentation", exclude=_SPHINX + r"|^(history|changelog)"),
+    "python-ase-doc": DebianDoc(
+        "python-ase-doc", "usr/share/doc/python-ase-doc/html/", (".html",), "html",
+        "LGPL-2.1-or-later", "Atomic Simulation Environment documentation",
+        exclude=_SPHINX + r"|^releasenotes"),
+    "scala-doc": DebianDoc(
+        "scala-doc", "usr/share/doc/scala-2.11/api/", (".html",), "html", "BSD-3-Clause",
+        "Scala 2.11 standard library API documentation",
+        exclude=r"index/index-|(^|/)deprecated-list\.html$"),
+    # Manual pages.
+    "manpages": DebianDoc(
+        "manpages", "usr/share/man/", (".gz",), "man", "GPL-2.0-or-later (various, see the "
+        "package's copyright file)", "Linux man-pages: sections 1, 4, 5, 7",
+        exclude=r"^(?!man\d/)"),
+    "manpages-dev": DebianDoc(
+        "manpages-dev", "usr/share/man/", (".gz",), "man", "GPL-2.0-or-later (various, see the "
+        "package's copyright file)", "Linux man-pages: system calls and C library (2, 3)",
+        exclude=r"^(?!man\d/)"),
+    "freebsd-manpages": DebianDoc(
+        "freebsd-manpages", "usr/share/man/", (".gz",), "man", "BSD-2-Clause-FreeBSD AND "
+        "BSD-4-Clause", "FreeBSD 12.2 kernel and device manual pages"),
+    # Dictionaries (dictd databases).
+    "dict-gcide": DebianDoc(
+        "dict-gcide", "usr/share/dictd/", (), "dictd", "GPL-3.0-or-later",
+        "GNU Collaborative International Dictionary of English (Webster's 1913 and additions)"),
+    "dict-wn": DebianDoc(
+        "dict-wn", "usr/share/dictd/", (), "dictd", "WordNet-3.0", "WordNet 3.0 glosses"),
+    "dict-foldoc": DebianDoc(
+        "dict-foldoc", "usr/share/dictd/", (), "dictd", "GFDL-1.1-or-later",
+        "Free On-line Dictionary of Computing"),
+    "dict-jargon": DebianDoc(
+        "dict-jargon", "usr/share/dictd/", (), "dictd", "public-domain",
+        "The Jargon File 4.4.7"),
+    "dict-vera": DebianDoc(
+        "dict-vera", "usr/share/dictd/", (), "dictd", "GFDL-1.1-or-later",
+        "V.E.R.A.: Virtual Entity of Relevant Acronyms"),
+    "dict-devil": DebianDoc(
+        "dict-devil", "usr/share/dictd/", (), "dictd", "public-domain",
+        "The Devil's Dictionary by Ambrose Bierce"),
+}
+
+
+def sources() -> dict[str, Source]:
+    return {name: _source(name, spec) for name, spec in DEBIAN_DOCS.items()}

@@ -1,0 +1,189 @@
+"""MoE experts as custom ops over all experts (forward, backward): static shapes to compile.
+
+The per-expert loop (`Experts.loop_forward`) reads each expert's token count on the host to
+slice its tokens, which torch.compile cannot trace without a graph break. Here the token-expert
+pairs are sorted by expert on the device and one op per projection runs every expert's GEMM on
+its own rows; the counts are read inside the op, which torch.compile sees as one node whose
+output shape ([pairs, out]) does not depend on the routing. Each expert's GEMMs are the loop's
+(`quant_linear`'s numerics: the same operands, quantizations and products), so an RNE recipe
+gives the loop's bits. Stochastic roundings take their seeds from one [E, 6] draw in the
+forward (one seed per expert and operand), so the backward draws nothing and a compiled step
+repeats an eager one bit for bit; their draws are not the loop's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..formats.spec import QuantSpec
+from ..ops import spec_from_key, spec_key
+from .operands import _compute_dtype, quantize_operand
+from .recipe import Recipe
+
+# The operands of an expert GEMM's recipe, in the order of the seeds' columns.
+_OPERANDS = ("x", "w", "dy", "w_dgrad", "x_wgrad", "dy_wgrad")
+
+
+def recipe_key(recipe: Recipe | None) -> str:
+    """The six operand specs of `recipe` as one string for the ops ("-": a backward operand that
+    reuses the forward's); None (plain experts) is every operand unquantized."""
+    if recipe is None:
+        return "plain"
+    return ";".join("-" if getattr(recipe, n) is None else spec_key(getattr(recipe, n))
+                    for n in _OPERANDS)
+
+
+@functools.cache
+def _specs(key: str) -> dict[str, QuantSpec | None] | None:
+    if key == "plain":
+        return None
+    return {n: None if k == "-" else spec_from_key(k)
+            for n, k in zip(_OPERANDS, key.split(";"), strict=True)}
+
+
+def stochastic(recipe: Recipe | None) -> bool:
+    """Whether any operand of `recipe` rounds stochastically (then the ops take seeds)."""
+    return recipe is not None and any(
+        getattr(recipe, n) is not None and getattr(recipe, n).rounding == "stochastic"
+        for n in _OPERANDS)
+
+
+def _rows(counts: torch.Tensor):
+    # (expert, row slice) of every expert with rows: the host read the op exists to hide.
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def _seed(seeds, e: int, name: str):
+    return None if seeds is None else seeds[e, _OPERANDS.index(name)]
+
+
+def _q(t, spec, seeds, e, name, amax=None, columnwise=False, dtype=None):
+    return quantize_operand(t, spec, amax, columnwise=columnwise, dtype=dtype,
+                            seed=_seed(seeds, e, name))
+
+
+def _forward_operands(x, w, specs, x_amax, seeds, e, dtype):
+    qw = _q(w, specs["w"], seeds, e, "w", dtype=dtype)
+    amax = None if x_amax is None else x_amax[e]
+    return _q(x, specs["x"], seeds, e, "x", amax, dtype=dtype), qw
+
+
+@torch.library.custom_op("fp4stack::grouped_expert_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   x_amax: torch.Tensor | None, seeds: torch.Tensor | None, recipe: str,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """y [N, O] in `dtype`: rows of x [N, K] sorted by expert, counts[e] of them expert e's,
+    each block times weight[e]ᵀ (weight [E, O, K]) with the GEMM of `recipe` (a `recipe_key`);
+    x_amax [E] a static activation amax per expert, seeds [E, 6] int64 for stochastic specs."""
+    specs = _specs(recipe)
+    y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
+    for e, rows in _rows(counts):
+        if specs is None:
+            y[rows] = x[rows].to(dtype) @ weight[e].to(dtype).t()
+            continue
+        qx, qw = _forward_operands(x[rows], weight[e], specs, x_amax, seeds, e, dtype)
+        y[rows] = qx @ qw.t()
+    return y
+
+
+@grouped_linear.register_fake
+def _(x, weight, counts, x_amax, seeds, recipe, dtype):
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=dtype)
+
+
+@torch.library.custom_op("fp4stack::grouped_expert_linear_backward", mutates_args=())
+def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            counts: torch.Tensor, x_amax: torch.Tensor | None,
+                            seeds: torch.Tensor | None, recipe: str,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [N, K] in x's dtype, dweight [E, O, K] in weight's): `_QuantLinearFn.backward` per
+    expert, its saved operands re-quantized from x and weight with the forward's seeds."""
+    specs = _specs(recipe)
+    dx = torch.zeros_like(x)
+    dw = torch.zeros_like(weight)
+    for e, rows in _rows(counts):
+        xe, we, dye = x[rows], weight[e], dy[rows]
+        if specs is None:  # autograd's formulas for F.linear, as the plain loop gets them
+            dx[rows] = dye.mm(we.to(dye.dtype)).to(x.dtype)
+            dw[e] = xe.to(dye.dtype).t().mm(dye).t().to(weight.dtype)
+            continue
+        qx, qw = _forward_operands(xe, we, specs, x_amax, seeds, e, dtype)
+        wd = qw if specs["w_dgrad"] is None else _q(we, specs["w_dgrad"], seeds, e, "w_dgrad",
+                                                    columnwise=True, dtype=dtype)
+        xw = qx if specs["x_wgrad"] is None else _q(xe, specs["x_wgrad"], seeds, e, "x_wgrad",
+                                                    columnwise=True, dtype=dtype)
+        dx[rows] = (_q(dye, specs["dy"], seeds, e, "dy") @ wd).to(x.dtype)
+        dyw = _q(dye, specs["dy_wgrad"], seeds, e, "dy_wgrad", columnwise=True)
+        dw[e] = (dyw.t() @ xw).to(weight.dtype)
+    return dx, dw
+
+
+@grouped_linear_backward.register_fake
+def _(dy, x, weight, counts, x_amax, seeds, recipe, dtype):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, counts, x_amax, seeds, recipe, dtype = inputs
+    ctx.save_for_backward(x, weight, counts, x_amax, seeds)
+    ctx.recipe, ctx.dtype = recipe, dtype
+
+
+def _backward(ctx, dy):
+    x, weight, counts, x_amax, seeds = ctx.saved_tensors
+    dx, dw = grouped_linear_backward(dy, x, weight, counts, x_amax, seeds, ctx.recipe, ctx.dtype)
+    return dx, dw, None, None, None, None, None
+
+
+grouped_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sort_pairs(indices: torch.Tensor, n_experts: int):
+    """(order, counts) for routing indices [T, k]: the T*k pairs sorted by expert (stable, so
+    an expert's pairs keep pair order) and each expert's count [E], with static shapes."""
+    flat = indices.reshape(-1)
+    order = flat.argsort(stable=True)
+    bounds = torch.searchsorted(flat[order], torch.arange(n_experts + 1, device=flat.device))
+    return order, bounds[1:] - bounds[:-1]
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """out [T, D] fp32 (fp64 stays): each token's k rows of y [T*k, D] (sorted by expert) times
+    their routing weights, added from zero in increasing expert order, as the loop's
+    index_add_ does, but by gathers: deterministic on every device."""
+    dtype = torch.promote_types(y.dtype, torch.float32)
+    where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                    device=order.device))
+    pos = where.reshape(-1, k).sort(dim=1).values  # a token's rows, in expert order
+    contrib = y * weights.flatten()[order, None].to(dtype)
+    out = torch.zeros((pos.shape[0], y.shape[1]), dtype=dtype, device=y.device)
+    for j in range(k):
+        out = out + contrib[pos[:, j]]
+    return out
+
+
+def grouped_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                    stacks: tuple[torch.Tensor, torch.Tensor], recipe: Recipe | None,
+                    x_amax: torch.Tensor | None, act) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_j(x) for x [T, D] with SwiGLU experts (gate_up, down
+    stacks), the GEMMs of `recipe` (None: unquantized); x_amax [2, E] static amax or None."""
+    k, n_experts = indices.shape[1], stacks[0].shape[0]
+    order, counts = sort_pairs(indices, n_experts)
+    xs = x[order // k]
+    key = recipe_key(recipe)
+    seeds = (None, None)
+    if stochastic(recipe):  # one draw for both projections, in the forward
+        seeds = torch.randint(0, 2**62, (2, n_experts, len(_OPERANDS))).unbind(0)
+    amax = (None, None) if x_amax is None else x_amax.unbind(0)
+    # Each GEMM in the dtype quant_linear would use (autocast's), its output left in it.
+    h = grouped_linear(xs, stacks[0], counts, amax[0], seeds[0], key, _compute_dtype(xs))
+    gate, up = h.chunk(2, dim=-1)
+    a = act(gate) * up
+    y = grouped_linear(a, stacks[1], counts, amax[1], seeds[1], key, _compute_dtype(a))
+    return combine(y, weights, order, k).to(x.dtype)

@@ -112,6 +112,14 @@ def native_fp8_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
             and fused_inference_ok(x, layer))
 
 
+def _propagating(spec: QuantSpec) -> QuantSpec:
+    """`spec` with nan_policy="propagate": an inference path's NaN check would read the device
+    back (a NaN reaches the outputs instead)."""
+    if spec.format != "none" and spec.nan_policy != "propagate":
+        return replace(spec, nan_policy="propagate")
+    return spec
+
+
 def packed_inference_linear(x2: torch.Tensor, recipe: Recipe, weight: NVFP4Tensor,
                             bias: torch.Tensor | None = None,
                             x_amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,10 +128,7 @@ def packed_inference_linear(x2: torch.Tensor, recipe: Recipe, weight: NVFP4Tenso
     by side, nn.fused_projections); the GEMM is the custom op `inference_ops.packed_linear`."""
     from .inference_ops import packed_linear
 
-    spec = recipe.x
-    if spec.format != "none" and spec.nan_policy != "propagate":
-        spec = replace(spec, nan_policy="propagate")  # a check would read the device back
-    a = quantize_operand(x2, spec, x_amax, dtype=_compute_dtype(x2))
+    a = quantize_operand(x2, _propagating(recipe.x), x_amax, dtype=_compute_dtype(x2))
     return packed_linear(a, weight, bias)
 
 
@@ -141,16 +146,12 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
     from .inference_ops import packed_linear
 
     recipe = layer.recipe
-    spec = recipe.x
-    if spec.format != "none" and spec.nan_policy != "propagate":
-        spec = replace(spec, nan_policy="propagate")  # a check would read the device back
     x_amax = layer.x_amax if recipe.activation_amax == "static" else None
-    dtype = _compute_dtype(x2)
     cfg = recipe.compensation
     if cfg is None:
         return packed_inference_linear(x2, recipe, layer.packed_weight, layer.bias, x_amax)
     # As _compensated: Q(x) and the residual in x's dtype, the GEMM in the compute dtype.
-    qx = quantize_operand(x2, spec, x_amax)
+    qx = quantize_operand(x2, _propagating(recipe.x), x_amax)
     channels = layer.rc_channels if cfg.mode == "static" else None
     if channels is None:
         from ..kernels.top_mask import top_mask
@@ -159,7 +160,8 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
         mask = top_mask(energy, cfg.count(x2.shape[-1]))
     else:
         mask = channel_mask(channels, x2.shape[-1])
-    return packed_linear(torch.where(mask, x2, qx).to(dtype), layer.packed_weight, layer.bias)
+    return packed_linear(torch.where(mask, x2, qx).to(_compute_dtype(x2)), layer.packed_weight,
+                         layer.bias)
 
 
 def channel_mask(channels: torch.Tensor, k: int) -> torch.Tensor:

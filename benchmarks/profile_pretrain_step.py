@@ -12,6 +12,8 @@ overhead, syncs), which a second run on the same GPU can fill. On CPU only the C
         --recipes bf16,fullstack-nvidia-noreuse [--steps 5] [--out profile.json]
     python benchmarks/profile_pretrain_step.py --config configs/pretrain/tiny.yaml \\
         --recipes nvfp4 --vocab-size 4096 --device cpu      # random tokens, no data directory
+    python benchmarks/profile_pretrain_step.py --config configs/pretrain/medium.yaml \\
+        --recipes bf16,qat-w,nvfp4 --vocab-size 8192 --modes eager,compiled
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ def _batches(cfg, vocab_size: int | None, device: torch.device):
     return vocab_size, lambda step: (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
 
-def _step_fn(cfg, vocab_size: int | None, device: torch.device):
+def _step_fn(cfg, vocab_size: int | None, device: torch.device, compiled: bool):
     vocab, batch = _batches(cfg, vocab_size, device)
     model, _ = build_model(cfg, vocab, device)
     opt = build_from_config(model, cfg, fused=device.type == "cuda")
+    params = model.num_params()
+    if compiled:  # the model's forward (and so its backward) through Inductor; the step eager
+        model = torch.compile(model)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())
     count = [0]
@@ -67,7 +72,7 @@ def _step_fn(cfg, vocab_size: int | None, device: torch.device):
         opt.zero_grad(set_to_none=True)
         return loss_value
 
-    return step, model.num_params()
+    return step, params
 
 
 def _sync(device: torch.device) -> None:
@@ -76,13 +81,17 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int, warmup: int,
-                   top: int) -> dict:
-    """Timings and the profile of `steps` training steps of cfg (after `warmup` steps)."""
+                   top: int, compiled: bool = False) -> dict:
+    """Timings and the profile of `steps` training steps of cfg (after `warmup` steps), with
+    the model eager or through torch.compile (its compilation is timed apart, in warmup)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step, params = _step_fn(cfg, vocab_size, device)
+    step, params = _step_fn(cfg, vocab_size, device, compiled)
+    t0 = time.perf_counter()
     for _ in range(warmup):
         step()
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
     walls = []
     for _ in range(steps):
         _sync(device)
@@ -114,7 +123,8 @@ def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int
     wall = statistics.median(walls)
     gpu = sum(ms for _, _, ms in kernel_rows)
     return {
-        "recipe": cfg.recipe, "params": params, "loss": loss,
+        "recipe": cfg.recipe, "mode": "compiled" if compiled else "eager", "params": params,
+        "loss": loss, "warmup_s": warmup_s,
         "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
         "wall_ms": wall, "wall_ms_all": walls,
         "tokens_per_s": cfg.global_batch_size * cfg.seq_len / wall * 1e3,
@@ -133,16 +143,21 @@ def _table(rows, header: str) -> list[str]:
 
 
 def format_report(results: list[dict]) -> str:
-    lines = ["| recipe | wall ms/step | GPU kernel ms/step | GPU busy | launches/step | "
-             "host syncs/step | tokens/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    bf16 = {r.get("mode", "eager"): r["wall_ms"] for r in results if r["recipe"] == "bf16"}
+    lines = ["| recipe | mode | wall ms/step | vs bf16 (same mode) | GPU kernel ms/step | "
+             "GPU busy | launches/step | host syncs/step | tokens/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        mode = r.get("mode", "eager")
         gpu = "-" if r["gpu_kernel_ms"] is None else f"{r['gpu_kernel_ms']:.1f}"
         busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.0f}%"
-        lines.append(f"| {r['recipe']} | {r['wall_ms']:.1f} | {gpu} | {busy} | "
+        ratio = f"{r['wall_ms'] / bf16[mode]:.2f}x" if mode in bf16 else "-"
+        lines.append(f"| {r['recipe']} | {mode} | {r['wall_ms']:.1f} | {ratio} | {gpu} | {busy} | "
                      f"{r['launches']:g} | {r['host_syncs']:g} | {r['tokens_per_s']:,.0f} |")
     for r in results:
-        lines += ["", f"{r['recipe']}: slowest kernels"] + _table(r["kernels"], "kernel")
-        lines += ["", f"{r['recipe']}: CPU ops by self time"] + _table(r["cpu_ops"], "op")
+        label = f"{r['recipe']} ({r.get('mode', 'eager')})"
+        lines += ["", f"{label}: slowest kernels"] + _table(r["kernels"], "kernel")
+        lines += ["", f"{label}: CPU ops by self time"] + _table(r["cpu_ops"], "op")
     return "\n".join(lines)
 
 
@@ -157,25 +172,37 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="random tokens of this vocabulary instead of the config's data")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--out", help="also write the results as JSON here")
+    p.add_argument("--modes", default="eager",
+                   help="comma-separated: eager, compiled (the model through torch.compile)")
+    p.add_argument("--out", help="also write the results as JSON here (after every recipe)")
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"eager", "compiled"}:
+        p.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
+    if "compiled" in modes and args.warmup < 1:
+        p.error("--modes compiled needs --warmup >= 1 (the compilation runs there)")
     device = resolve_device(args.device, local_rank=0)
-    results = []
-    for name in args.recipes.split(","):
-        cfg = load_config(args.config, recipe=name, device=args.device)
-        print(f"profiling {name} on {device} ...", flush=True)
-        results.append(profile_recipe(cfg, args.vocab_size, device, args.steps, args.warmup,
-                                      args.top))
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "config": args.config,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")}
+    results = []
+    for mode in modes:
+        for name in args.recipes.split(","):
+            cfg = load_config(args.config, recipe=name, device=args.device)
+            print(f"profiling {name} ({mode}) on {device} ...", flush=True)
+            r = profile_recipe(cfg, args.vocab_size, device, args.steps, args.warmup, args.top,
+                               compiled=mode == "compiled")
+            print(f"  {r['wall_ms']:.1f} ms/step, warmup {r['warmup_s']:.0f} s", flush=True)
+            results.append(r)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({**meta, "results": results}, f, indent=1)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print(f"{meta['device']}, torch {meta['torch']}, {meta['date']}")
     print(format_report(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**meta, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from .formats import (
     unswizzle_scales,
 )
 from .nn import LowRank, QuantLinear, Recipe, ResidualCompensation, recipe
+from .transformers_experts import restore_expert_weights
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,5 @@ __all__ = [
     "Recipe", "ResidualCompensation", "dequantize", "dequantize_fp8", "fake_quantize",
     "fake_quantize_fp8", "quantize", "quantize_fp8", "quantize_model", "recipe", "rht",
     "rht_inverse", "swizzle_scales", "unswizzle_scales", "load_quantized", "save_quantized",
+    "restore_expert_weights",
 ]

@@ -27,7 +27,8 @@ routers, which are never quantized.
 transformers (5.24, with compressed-tensors 0.20) loads such a checkpoint without an error but
 with wrong experts: its `CompressedTensorsDequantize` rebuilds each expert from `weight_packed`
 and `weight_scale` and drops `weight_global_scale`. `save_quantized` says so once per save
-(`TransformersMoEWarning`) when the checkpoint has a config transformers reads.
+(`TransformersMoEWarning`) when the checkpoint has a config transformers reads, and
+`fp4stack.restore_expert_weights` (transformers_experts.py) repairs a model so loaded.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ TRANSFORMERS_MOE_NOTE = (
     "transformers 5.24 (the version tested; check yours) loads this checkpoint's quantized MoE "
     "experts wrongly: it dequantizes each expert from weight_packed and weight_scale without its "
     "weight_global_scale, so the experts it holds are scaled by that global scale (2688/amax). "
-    "Read the checkpoint with fp4stack.load_quantized into a model converted the same way, or "
-    "decompress the experts with compressed-tensors (global scale included) before use; the "
-    "dense layers are unaffected")
+    "After AutoModelForCausalLM.from_pretrained(dir), call "
+    "fp4stack.restore_expert_weights(model, dir), which decompresses them again with the global "
+    "scale; or read the checkpoint with fp4stack.load_quantized into a model converted the same "
+    "way. The dense layers are unaffected")
 
 
 class TransformersMoEWarning(UserWarning):
@@ -225,6 +227,19 @@ def checkpoint_names(model: nn.Module, plain: list[str], layers: list[str],
     return _transformers_names(model, plain, layers, experts)
 
 
+def _reverted(model: nn.Module, state: dict[str, torch.Tensor], revert) -> dict:
+    # A model loaded from a quantized checkpoint keeps the loader's conversions, its quantizer's
+    # dequantize among them, which has no reverse: the architecture's own mapping names it.
+    loaded = getattr(model, "_weight_conversions", None)
+    if loaded is None or getattr(model, "hf_quantizer", None) is None:
+        return revert(model, state)
+    del model._weight_conversions
+    try:
+        return revert(model, state)
+    finally:
+        model._weight_conversions = loaded
+
+
 def _transformers_names(model: nn.Module, plain: list[str], layers: list[str],
                         experts: dict[str, nn.Module]) -> dict[str, str]:
     # A probe state dict whose every element is a distinct id, through the conversion
@@ -251,7 +266,7 @@ def _transformers_names(model: nn.Module, plain: list[str], layers: list[str],
         state[f"{name}.gate_up_proj"] = torch.tensor(gate_up, dtype=torch.float64)[..., None]
         state[f"{name}.down_proj"] = torch.tensor(down, dtype=torch.float64)[..., None]
     names: dict[str, str] = {}
-    for key, t in revert_weight_conversion(model, state).items():
+    for key, t in _reverted(model, state, revert_weight_conversion).items():
         values = t.flatten().tolist()
         if len(values) != 1 or ids[int(values[0])][0] in names:
             raise ValueError(f"{type(model).__name__}: transformers' weight conversion does not "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -590,6 +590,8 @@ def test_triton_configs():
         assert cfg.describe() in why, cfg
         with pytest.raises(ValueError, match="fp4_attention.backend='triton'.: the kernels"):
             fp4_attention(q, k, v, config=cfg, backend="triton")
+    # kernel_config reads every field: a new AttentionQuant field must be taught to it.
+    assert set(attention_kernels.KERNEL_FIELDS) == {f.name for f in fields(AttentionQuant)}
 
 
 @gpu

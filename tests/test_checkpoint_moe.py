@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import fp4stack
-from fp4stack import QuantLinear, QuantSpec, ResidualCompensation
+from fp4stack import QuantLinear, QuantSpec, ResidualCompensation, restore_expert_weights
 from fp4stack.compressed_tensors import load_quantized, save_quantized
 from fp4stack.compressed_tensors_moe import TransformersMoEWarning, expert_modules
 from fp4stack.convert import calibrate
@@ -330,25 +330,22 @@ def test_transformers_loads_it(ct, tmp_path, arch):
                                                                  output_loading_info=True)
     assert not any(info.values()), info
     tensors = load_file(tmp_path / "model.safetensors")
-    for name, stack in expert_modules(hf).items():
-        # transformers 5.24 dequantizes MoE experts at load without their weight_global_scale
-        # (its CompressedTensorsDequantize builds each expert from weight_packed and weight_scale
-        # only): the experts it holds are compressed-tensors' decompression without it. When
-        # this fails, transformers was fixed: drop the replacement below, and the warning
+    stacks = expert_modules(hf)
+    for name, stack in stacks.items():
+        # transformers 5.24/5.25 dequantize MoE experts at load without their
+        # weight_global_scale (CompressedTensorsDequantize builds each expert from weight_packed
+        # and weight_scale only): the experts it holds are compressed-tensors' decompression
+        # without it. When this fails, transformers was fixed: drop this check, and the warning
         # (TransformersMoEWarning) save_quantized gives.
-        pattern = name + ".{e}.{p}"
+        pattern = name.replace(".mlp.", ".block_sparse_moe.") if arch == "mixtral" else name
         parts = NAMES[arch][1]
-        if arch == "mixtral":
-            pattern = pattern.replace(".mlp.", ".block_sparse_moe.")
-        wrong, right = ([torch.cat([decompress(ct, tensors, pattern.format(e=e, p=p), gs)
-                                    for p in parts[:2]]) for e in range(4)]
-                        for gs in (False, True))
+        wrong = [torch.cat([decompress(ct, tensors, f"{pattern}.{e}.{p}", False)
+                            for p in parts[:2]]) for e in range(4)]
         assert torch.equal(bits(stack.gate_up_proj.detach().bfloat16()),
                            bits(torch.stack(wrong)))
-        assert not torch.equal(torch.stack(wrong), torch.stack(right))
-        down = [decompress(ct, tensors, pattern.format(e=e, p=parts[2])) for e in range(4)]
-        stack.gate_up_proj.data = torch.stack(right).float()
-        stack.down_proj.data = torch.stack(down).float()
+    # fp4stack.restore_expert_weights decompresses them again, global scales included.
+    assert restore_expert_weights(hf, tmp_path) == 3 * 4 * len(stacks)
+    assert restore_expert_weights(hf, tmp_path) == 0  # all right now: nothing rewritten
     idx = tokens(5)
     want = logits(model, idx)
     got = hf_logits_with_decompressed_weights(hf, idx)
@@ -357,12 +354,25 @@ def test_transformers_loads_it(ct, tmp_path, arch):
         assert torch.equal(got, want)
 
 
+def test_restoring_experts_refuses_another_checkpoint(tmp_path):
+    save_quantized(make("qwen3_moe", 0, "qat-w"), tmp_path / "a")
+    save_quantized(make("qwen3_moe", 1, "qat-w"), tmp_path / "b")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    before = [p.detach().clone() for p in hf.parameters()]
+    with pytest.raises(ValueError, match="expert 0 gate_proj .*neither the checkpoint's"):
+        restore_expert_weights(hf, tmp_path / "b")
+    assert all(torch.equal(a, b) for a, b in zip(before, hf.parameters(), strict=True))
+    dense = make("llama", 0, "qat-w")
+    assert restore_expert_weights(dense, tmp_path / "a") == 0  # no experts: nothing to do
+
+
 def test_moe_exports_warn_once_about_transformers_expert_loading(tmp_path):
     with pytest.warns(TransformersMoEWarning) as record:
         save_quantized(make("qwen3_moe", 0, "qat-w"), tmp_path / "moe")
     said = [str(w.message) for w in record if w.category is TransformersMoEWarning]
     assert len(said) == 1  # once per save, not once per expert
     assert "without its weight_global_scale" in said[0] and "load_quantized" in said[0]
+    assert "restore_expert_weights" in said[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error", TransformersMoEWarning)
         save_quantized(make("llama", 0, "qat-w"), tmp_path / "dense")  # no experts

@@ -3,7 +3,8 @@
 The fused GEMM multiplies the same values (one input, so one activation amax; the siblings'
 rows, quantized with their shared global amax): outputs equal the unfused ones up to the
 summation order a wider GEMM may choose, hence the fp32 tolerance. On CPU the packed path runs
-its Triton kernels under the interpreter (nn.operands._FUSED_ON_CPU).
+its Triton kernels under the interpreter (nn.operands._FUSED_ON_CPU); on a GPU the packed and
+engine tests run on it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fp4stack.rl.fast_rollout import FastRolloutEngine
 from fp4stack.rl.rollout import RolloutEngine
 
 TOK = CharTokenizer()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def gpt(seed: int = 0, moe: bool = False) -> GPT:
@@ -98,7 +100,7 @@ def test_no_fusion_under_gradients_or_for_groups_that_differ(monkeypatch):
 @pytest.mark.parametrize("name", ["w4a4", "w4a16"])
 def test_packed_groups_match_the_unfused_layers(name, monkeypatch):
     monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
-    model, x = packed(gpt(), name), tokens()
+    model, x = packed(gpt().to(DEVICE), name), tokens().to(DEVICE)
     with torch.no_grad():
         want = model(x)[0]
         fused = copy.deepcopy(model)
@@ -114,7 +116,7 @@ def test_packed_groups_match_the_unfused_layers(name, monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_fast_engine_with_fused_projections_decodes_as_the_reference(precision, monkeypatch):
     monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
-    base = gpt(moe=precision == "bf16")
+    base = gpt(moe=precision == "bf16").to(DEVICE)
     prompts = [TOK.encode(p) for p in ("12+34=", "7+5=", "40+41+1=")]
     kw = dict(temperature=0.0, max_new_tokens=6, logprobs="sample")
     ref = RolloutEngine(base, TOK, precision, **kw)
@@ -123,7 +125,7 @@ def test_fast_engine_with_fused_projections_decodes_as_the_reference(precision, 
     a, b = ref.generate(prompts), fast.generate(prompts)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
     torch.testing.assert_close(b.logprobs, a.logprobs, rtol=1e-5, atol=1e-5)
-    trainer = gpt(3, moe=precision == "bf16")
+    trainer = gpt(3, moe=precision == "bf16").to(DEVICE)
     ref.sync(trainer)
     fast.sync(trainer)  # the sync's self-check reads the members' (fused) buffers
     a, b = ref.generate(prompts), fast.generate(prompts)

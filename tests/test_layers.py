@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "compressed_tensors": 5,
     "compressed_tensors_read": 5,
     "compressed_tensors_moe": 5,
+    "transformers_experts": 5,
     "data": 5,
     "analysis": 6,
     "train": 7,

@@ -135,11 +135,11 @@ def test_grouped_expert_ops_pass_opcheck(name):
 
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_the_kernels_take_tensor_seeds_and_give_the_amax(hadamard):
-    # Under the Triton interpreter on the CPU (the ops send CUDA tensors here).
+    # On the GPU, or under the Triton interpreter on the CPU.
     pytest.importorskip("triton")
     from fp4stack.kernels import nvfp4 as kernels
 
-    x = data((16, 32))
+    x = data((16, 32)).to("cuda" if torch.cuda.is_available() else "cpu")
     spec = QuantSpec(rounding="stochastic", hadamard=hadamard)
     got = kernels.fake_quantize(x, spec, seed=ops.seed_tensor(2**63 - 1))
     assert torch.equal(got, reference.fake_quantize(x, spec, seed=2**63 - 1))

@@ -24,4 +24,22 @@ def test_profiles_a_quantized_training_step_on_random_tokens():
     assert ops.get("_QuantLinearFn", 0) > 0  # the NVFP4 linears ran
     assert r["gpu_kernel_ms"] is None and r["gpu_busy"] is None and r["launches"] == 0
     report = prof.format_report([r]).splitlines()
-    assert report[2].startswith("| nvfp4 | ") and report[2].count("|") == 8
+    assert report[2].startswith("| nvfp4 | eager | ") and report[2].count("|") == 10
+    assert report[2].split("|")[4].strip() == "-"  # no BF16 row to compare with
+
+
+def test_compiled_mode_times_the_compiled_model_against_bf16_in_the_same_mode():
+    cfg = load_config(ROOT / "configs/pretrain/tiny.yaml", recipe="bf16", global_batch_size=2,
+                      micro_batch_size=2, seq_len=16, device="cpu")
+    eager, compiled = (prof.profile_recipe(cfg, 512, torch.device("cpu"), steps=1, warmup=1,
+                                           top=200, compiled=c) for c in (False, True))
+    assert (eager["mode"], compiled["mode"]) == ("eager", "compiled")
+    # Same model, seed and tokens: the first steps' losses agree to rounding.
+    assert abs(eager["loss"] - compiled["loss"]) < 1e-4 * abs(eager["loss"])
+    ops = " ".join(name for name, _, _ in compiled["cpu_ops"])
+    assert "CompiledFunction" in ops and "CompiledFunction" not in str(eager["cpu_ops"])
+    # Ratios are against BF16 of the same mode.
+    slower = [dict(r, recipe="nvfp4", wall_ms=r["wall_ms"] * f)
+              for r, f in ((eager, 3.0), (compiled, 1.5))]
+    lines = prof.format_report([eager, compiled, *slower]).splitlines()[2:6]
+    assert [line.split("|")[4].strip() for line in lines] == ["1.00x", "1.00x", "3.00x", "1.50x"]

@@ -4,8 +4,6 @@ fp4stack.nn.attention is the reference and chooses between the two."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor
 
@@ -25,22 +23,31 @@ def is_tiled(config: AttentionQuant) -> bool:
     return config.q == config.k == config.v == NVFP4_TILES
 
 
-@torch.compiler.assume_constant_result  # a pure function of a frozen config: torch.compile
-def kernel_config(config: AttentionQuant) -> bool:  # calls it once instead of tracing replace()
+def kernel_config(config: AttentionQuant) -> bool:
     """Whether the kernels compute `config`: the method's specs, each of Q, K, V rounded to
     nearest (NVFP4_RNE) or stochastically (NVFP4_SR), or all three in 16x16 tiles, with either
-    reuse and/or ds=None, and the ablations AttentionAblation.in_kernels accepts. Other specs
-    stay on the reference."""
-    if config.ds not in (None, NVFP4_RNE):
+    reuse and/or ds=None, P and dP in high precision, and the ablations
+    AttentionAblation.in_kernels accepts. Other specs stay on the reference."""
+    # Field reads and comparisons only: torch.compile traces them on every torch it supports
+    # (torch 2.11's dynamo cannot pass a frozen dataclass to an assume_constant_result function,
+    # nor build one with dataclasses.replace). KERNEL_FIELDS keeps the list whole (a test).
+    if config.p is not None or config.dp is not None:
+        return False
+    if config.ds is not None and config.ds != NVFP4_RNE:
         return False
     tiled = is_tiled(config)
-    specs = (NVFP4_RNE,) * 3 if tiled else (config.q, config.k, config.v)
-    if any(s not in (NVFP4_RNE, NVFP4_SR) for s in specs):
-        return False
-    if config.ablation is not None and not config.ablation.in_kernels(tiled, NVFP4_SR in specs):
-        return False
-    flags = dict(q=NVFP4_RNE, k=NVFP4_RNE, v=NVFP4_RNE, ds=NVFP4_RNE, reuse=True, ablation=None)
-    return replace(config, **flags) == AttentionQuant.paper()
+    if not tiled:
+        for spec in (config.q, config.k, config.v):
+            if spec != NVFP4_RNE and spec != NVFP4_SR:
+                return False
+    if config.ablation is not None:
+        stochastic = not tiled and NVFP4_SR in (config.q, config.k, config.v)
+        return config.ablation.in_kernels(tiled, stochastic)
+    return True
+
+
+# The AttentionQuant fields kernel_config reads (reuse: the kernels take either).
+KERNEL_FIELDS = ("q", "k", "v", "p", "ds", "dp", "reuse", "ablation")
 
 
 def triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -> str:

@@ -26,7 +26,7 @@ from . import compensation as rc
 from .fused import shared_amax
 from .lowrank import count_and_refresh, fit_factors
 from .lowrank_split import lowrank_product, split_weight
-from .operands import _compute_dtype, fused_inference_ok, quantize_operand
+from .operands import _compute_dtype, fused_inference_ok, quantize_operand, weight_operand
 from .packed import PackedSlot, PackedState
 from .recipe import Recipe
 from .recipe import recipe as get_recipe
@@ -44,14 +44,14 @@ class _QuantLinearFn(torch.autograd.Function):
         dtype = _compute_dtype(x)
         # Quantized in their own dtype, rounded once to the compute dtype inside the kernel.
         qw = (packed_w.to(dtype) if packed_w is not None
-              else quantize_operand(weight, recipe.w, w_amax, dtype=dtype))
+              else weight_operand(weight, recipe.w, w_amax, dtype=dtype))
         qx = quantize_operand(x, recipe.x, x_amax, dtype=dtype)
         y = qx @ qw.t()
         if bias is not None:
             y = y + bias.to(dtype)
         weight_grad = weight is not None and ctx.needs_input_grad[1]
-        wd = qw if recipe.w_dgrad is None else quantize_operand(weight, recipe.w_dgrad,
-                                                                columnwise=True, dtype=dtype)
+        wd = qw if recipe.w_dgrad is None else weight_operand(weight, recipe.w_dgrad,
+                                                              columnwise=True, dtype=dtype)
         xw = None
         if weight_grad:
             xw = qx if recipe.x_wgrad is None else quantize_operand(x, recipe.x_wgrad,

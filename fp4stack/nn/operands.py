@@ -4,6 +4,9 @@ kernels may run. Kept apart from nn.linear so the paths that use them import no 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +41,45 @@ def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
     if pad:
         tt = F.pad(tt, (0, pad))
     return fake_quantize(tt.contiguous(), spec=spec, amax=amax, dtype=dtype, seed=seed).t()
+
+
+# The step's weight operands while `weight_operands_once` is active: (parameter id, its version,
+# spec, columnwise, dtype, whether an amax is imposed) -> (parameter, quantized operand).
+_STEP_WEIGHTS: dict | None = None
+
+
+@contextmanager
+def weight_operands_once() -> Iterator[None]:
+    """Inside, each parameter's quantized weight operands (the forward's Q(W) and the backward's
+    column-wise one) are computed once and reused by later forwards, as the micro-batches of one
+    optimizer step read the same weights: fewer quantize and amax passes, the same bits. Only
+    round-to-nearest specs are reused (a stochastic rounding draws fresh values per call, so the
+    random stream stays as without the cache); an in-place change of a parameter (its version
+    counter) computes it again; torch.compile's traced code does not use it. The caller
+    promises that nothing else the weight operands depend on (an imposed amax, a layer's
+    buffers) changes inside. Nested uses share the outer cache; it is dropped on exit."""
+    global _STEP_WEIGHTS
+    outer = _STEP_WEIGHTS
+    _STEP_WEIGHTS = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _STEP_WEIGHTS = outer
+
+
+def weight_operand(w: torch.Tensor, spec: QuantSpec | None, amax=None, columnwise: bool = False,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """quantize_operand of a weight, reused inside `weight_operands_once` (see there)."""
+    cache = _STEP_WEIGHTS
+    if (cache is None or spec is None or spec.rounding == "stochastic"
+            or not isinstance(w, nn.Parameter) or torch.compiler.is_compiling()):
+        return quantize_operand(w, spec, amax, columnwise=columnwise, dtype=dtype)
+    key = (id(w), w._version, spec, columnwise, dtype, amax is None)
+    hit = cache.get(key)
+    if hit is None:  # the parameter is kept with its operand: its id cannot be reused meanwhile
+        hit = cache[key] = (w, quantize_operand(w, spec, amax, columnwise=columnwise,
+                                                dtype=dtype))
+    return hit[1]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

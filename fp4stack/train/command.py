@@ -14,8 +14,8 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True,
-                   help="YAML config (presets: configs/pretrain/{tiny,tiny-moe,small,small-moe}"
-                   ".yaml)")
+                   help="YAML config (presets: configs/pretrain/"
+                        "{tiny,tiny-moe,small,small-moe,medium}.yaml)")
     p.add_argument("--recipe", help="bf16, fp8, nvfp4, nvfp4-nvidia, lowrank, qat-w, ...; "
                    "PRESET@forward, @backward or @weights quantizes only that part of the "
                    "preset's linears; or a YAML file holding a recipe mapping, a preset "

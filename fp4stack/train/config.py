@@ -48,6 +48,8 @@ DATA_COMMANDS = {
                       "--max-chars 3000000 --out runs/data/tiny",
     "runs/data/small": "fp4stack data build --sources wikipedia linux-docs python-docs "
                        "--vocab-size 8192 --out runs/data/small",
+    "runs/data/docs": "fp4stack data build --sources docs-mix --vocab-size 8192 "
+                      "--out runs/data/docs",
 }
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..convert import high_precision, to_high_precision
+from ..nn.operands import weight_operands_once
 from ..nn.recipe import recipe as get_recipe
 from . import distributed
 from .checkpoint import save_checkpoint
@@ -53,15 +54,17 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: 
     forward; returns their mean loss (detached)."""
     accum = len(x) // micro
     loss_sum = torch.zeros((), device=x.device)
-    for i in range(accum):
-        rows = slice(i * micro, (i + 1) * micro)
-        # DDP all-reduces gradients on the last micro-batch only.
-        sync = model.no_sync() if ddp and i < accum - 1 else nullcontext()
-        with sync:
-            with autocast:
-                _, loss = model(x[rows], y[rows])
-            (loss / accum).backward()
-        loss_sum += loss.detach().float()
+    # The weights are the same for every micro-batch: their quantized operands are made once.
+    with weight_operands_once():
+        for i in range(accum):
+            rows = slice(i * micro, (i + 1) * micro)
+            # DDP all-reduces gradients on the last micro-batch only.
+            sync = model.no_sync() if ddp and i < accum - 1 else nullcontext()
+            with sync:
+                with autocast:
+                    _, loss = model(x[rows], y[rows])
+                (loss / accum).backward()
+            loss_sum += loss.detach().float()
     return loss_sum / accum
 
 

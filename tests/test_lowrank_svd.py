@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
+from operand_reference import fq as fq_reference
 
 import fp4stack
 from fp4stack import LowRank, QuantLinear, Recipe, recipe
@@ -24,17 +24,9 @@ N, K, RANK = 48, 64, 4
 
 
 def fq(t, spec, columnwise=False):
-    """fake_quantize of t (float32) along its last dim, or of tᵀ (padded to 16 tokens for a
-    Hadamard spec), as float64."""
-    if spec is None or spec.format == "none":
-        return t.double()
-    t = t.float()
-    if not columnwise:
-        return fp4stack.fake_quantize(t, spec=spec).double()
-    tt = t.t()
-    if spec.hadamard:
-        tt = F.pad(tt, (0, -tt.shape[1] % 16))
-    return fp4stack.fake_quantize(tt.contiguous(), spec=spec).double().t()
+    """operand_reference.fq of t in float32 (as float64)."""
+    return fq_reference(t if spec is None or spec.format == "none" else t.float(), spec,
+                        columnwise)
 
 
 def dominant(n=N, k=K, rank=RANK, seed=0, noise=0.02):

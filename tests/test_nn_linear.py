@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from operand_reference import fq
 
 import fp4stack
 from fp4stack import QuantLinear, QuantSpec, Recipe, ResidualCompensation, recipe
@@ -27,19 +28,6 @@ def rne_only(r: Recipe) -> Recipe:
         if s is not None and s.rounding == "stochastic":
             fix[f] = dataclasses.replace(s, rounding="rne")
     return r.with_(**fix)
-
-
-def fq(t, spec, columnwise=False):
-    """Reference operand: fake_quantize along the last dim, or of tᵀ (token dim padded to 16
-    for Hadamard specs), returned as float64."""
-    if spec is None or spec.format == "none":
-        return t.double()
-    if not columnwise:
-        return fp4stack.fake_quantize(t, spec=spec).double()
-    tt = t.t()
-    if spec.hadamard:
-        tt = F.pad(tt, (0, -tt.shape[1] % 16))
-    return fp4stack.fake_quantize(tt.contiguous(), spec=spec).double().t()
 
 
 def reference(x, w, b, dy, r: Recipe, dtype=torch.float64):

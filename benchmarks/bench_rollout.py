@@ -32,6 +32,7 @@ from torch import nn
 from fp4stack.models.gpt import GPT, GPTConfig
 from fp4stack.nn.moe import Experts
 from fp4stack.rl.fast_rollout import LENGTH_BUCKET, FastRolloutEngine, batch_bucket
+from fp4stack.rl.rollout import PRECISIONS as ENGINE_PRECISIONS
 from fp4stack.rl.rollout import RolloutEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ SHAPES = {
     "small-moe": dict(vocab_size=20, dim=256, n_layers=4, n_heads=4, n_kv_heads=2,
                       ffn_hidden=128, moe=True, n_experts=8, top_k=2, moe_hidden=256),
 }
-PRECISIONS = ("bf16", "fp8", "nvfp4", "quads")
+PRECISIONS = ("bf16", "fp8", "nvfp4", "quads")  # the default rows; the engine takes more
 
 
 class NoEosTokenizer:
@@ -233,7 +234,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="all", choices=(*SHAPES, "all"))
     p.add_argument("--precisions", default=",".join(PRECISIONS),
-                   type=lambda s: _list(s, PRECISIONS), help="comma-separated (default all)")
+                   type=lambda s: _list(s, ENGINE_PRECISIONS),
+                   help=f"comma-separated, of {list(ENGINE_PRECISIONS)} (default {PRECISIONS})")
     p.add_argument("--batches", default="1,16,64,256", type=lambda s: _list(s, cast=int))
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--new-tokens", type=int, default=256, help="decoded tokens, fast engine")

@@ -25,7 +25,7 @@ from .formats import nvfp4 as reference
 from .formats.fp8 import fake_quantize_fp8
 from .formats.hadamard import rht
 from .formats.spec import QuantSpec
-from .formats.tensor import BLOCK, NVFP4Tensor, padded_k
+from .formats.tensor import BLOCK, NVFP4Tensor, amax_shape, padded_k
 
 _BACKENDS = ("auto", "reference", "triton")
 
@@ -62,16 +62,17 @@ def impl(device: torch.device):
 def spec_key(spec: QuantSpec) -> str:
     """`spec` as the string the ops take (every field, in order); `spec_from_key` inverts it."""
     return (f"{spec.format},{spec.block[0]},{spec.block[1]},{spec.rounding},"
-            f"{int(spec.hadamard)},{int(spec.four_over_six)},{spec.nan_policy}")
+            f"{int(spec.hadamard)},{int(spec.four_over_six)},{spec.nan_policy},"
+            f"{spec.global_scale}")
 
 
 @functools.cache
 def spec_from_key(key: str) -> QuantSpec:
     """The QuantSpec of a `spec_key` string (validated by QuantSpec itself)."""
-    fmt, b0, b1, rounding, hadamard, four_over_six, nan_policy = key.split(",")
+    fmt, b0, b1, rounding, hadamard, four_over_six, nan_policy, global_scale = key.split(",")
     return QuantSpec(format=fmt, block=(int(b0), int(b1)), rounding=rounding,
                      hadamard=hadamard == "1", four_over_six=four_over_six == "1",
-                     nan_policy=nan_policy)
+                     nan_policy=nan_policy, global_scale=global_scale)
 
 
 def seed_tensor(seed: int | torch.Tensor | None) -> torch.Tensor | None:
@@ -104,7 +105,7 @@ def _(x, spec, amax, seed, name):
     lead = x.shape[:-1]
     return (x.new_empty((*lead, kp // 2), dtype=torch.uint8),
             x.new_empty((*lead, kp // BLOCK), dtype=torch.uint8),
-            x.new_empty((), dtype=torch.float32))
+            x.new_empty(amax_shape(x.shape, spec_from_key(spec)), dtype=torch.float32))
 
 
 @torch.library.custom_op("fp4stack::fake_quantize", mutates_args=())

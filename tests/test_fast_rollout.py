@@ -76,7 +76,8 @@ def assert_same(a, b, exact_logprobs: bool = True) -> None:
 
 
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4", "quads"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4", "quads", "w4a16", "nvfp4-token",
+                                       "quads-token"])
 def test_greedy_decoding_equals_the_reference_engine(moe, precision):
     base = policy(moe)
     ref, fast = pair(base, precision, temperature=0.0, max_new_tokens=6)
@@ -315,9 +316,12 @@ gpu = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_graph_decoding_equals_the_reference_on_cuda(moe, precision):
     base = policy(moe, device="cuda")
     ref, fast = pair(base, precision, temperature=0.0, max_new_tokens=12)
+    # Greedy tokens equal; log-probs to 1e-5: the fast engine's fused q/k/v and gate/up GEMMs
+    # may sum in another order than the reference's separate ones on CUDA (cuBLAS picks kernels
+    # by shape; tests/test_fused_projections.py bounds the difference).
     with _no_capture_warning():
         for prompts in (PROMPTS, OTHER):
-            assert_same(ref.generate(prompts), fast.generate(prompts))
+            assert_same(ref.generate(prompts), fast.generate(prompts), exact_logprobs=False)
     graphs = [g for s in fast._slots.values() for g in s.graphs.values()]
     assert len(graphs) == 1 and isinstance(graphs[0], torch.cuda.CUDAGraph)
     with torch.no_grad():
@@ -325,7 +329,7 @@ def test_graph_decoding_equals_the_reference_on_cuda(moe, precision):
             p.add_(0.02 * torch.randn_like(p))
     ref.sync(base)
     fast.sync(base)
-    assert_same(ref.generate(PROMPTS), fast.generate(PROMPTS))  # the same graph, new weights
+    assert_same(ref.generate(PROMPTS), fast.generate(PROMPTS), exact_logprobs=False)  # new W
     assert [g for s in fast._slots.values() for g in s.graphs.values()] == graphs
 
 

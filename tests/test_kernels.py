@@ -32,6 +32,9 @@ SPECS = {
     "rht-sr": QuantSpec(hadamard=True, rounding="stochastic"),
     "4over6": QuantSpec(four_over_six=True),
     "2d-sr-4over6": QuantSpec(block=(16, 16), rounding="stochastic", four_over_six=True),
+    "row": QuantSpec(global_scale="row"),
+    "row-rht-sr-4over6": QuantSpec(global_scale="row", hadamard=True, rounding="stochastic",
+                                   four_over_six=True),
 }
 
 
@@ -146,7 +149,7 @@ def test_stochastic_rounding_on_and_beside_the_grid():
     ],
     ids=["zeros", "max", "-max", "fp32-subnormal", "capped-scale", "outlier"],
 )
-@pytest.mark.parametrize("name", ["rne", "2d", "4over6", "sr"])
+@pytest.mark.parametrize("name", ["rne", "2d", "4over6", "sr", "row"])
 def test_adversarial(x, name):
     check_all_paths(x.to(DEVICE), SPECS[name], seed=1)
 

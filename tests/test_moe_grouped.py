@@ -107,7 +107,7 @@ def fused_on_cpu(monkeypatch):
 CASES = [(1, 1, ()), (1, 2, ()), (9, 2, (0, 3)), (24, 2, (5,))]
 
 
-@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w4a4@weights", "w8a8"])
+@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w4a4@weights", "w8a8", "w4a4-token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matches_the_loop(fused_on_cpu, kind, dtype):
     mod = experts(kind, dtype)

@@ -16,7 +16,8 @@ from fp4stack.nn.recipe import recipe
 
 SPECS = [QuantSpec(), QuantSpec(block=(16, 16)), QuantSpec(rounding="stochastic"),
          QuantSpec(four_over_six=True, nan_policy="propagate"), QuantSpec(hadamard=True),
-         QuantSpec.fp8("row")]
+         QuantSpec.fp8("row"), QuantSpec(global_scale="row"),
+         QuantSpec(global_scale="row", hadamard=True, rounding="stochastic", four_over_six=True)]
 
 
 def data(shape=(32, 48), seed=0):
@@ -32,7 +33,8 @@ def test_spec_key_round_trips(spec):
 def test_quantizer_ops_pass_opcheck_and_give_the_reference_bits(spec):
     x, key = data(), ops.spec_key(spec)
     seed = torch.tensor(12345) if spec.rounding == "stochastic" else None
-    for amax, dtype in ((None, None), (torch.tensor(5.0), torch.bfloat16)):
+    imposed = None if spec.row_scaled else torch.tensor(5.0)  # a row's amax is its own
+    for amax, dtype in ((None, None), (imposed, torch.bfloat16)):
         torch.library.opcheck(ops.fake_quantize_op, (x, key, amax, seed, "x", dtype))
         got = ops.fake_quantize_op(x, key, amax, seed, "x", dtype)
         want = fp4stack.fake_quantize(x, spec=spec, amax=amax, dtype=dtype,

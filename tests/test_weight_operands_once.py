@@ -85,3 +85,31 @@ def test_an_in_place_change_quantizes_again_and_exit_drops_the_cache():
     with torch.no_grad():
         assert torch.equal(layer(x), b)
     torch.testing.assert_close(b, 2 * a, rtol=0, atol=0)  # scaling by 2 is exact in NVFP4
+
+
+P = dict(nan_policy="propagate")
+
+
+@pytest.mark.parametrize(("specs", "shares"), [
+    ((QuantSpec(**P), QuantSpec(**P)), True),
+    ((QuantSpec(**P), QuantSpec(rounding="stochastic", four_over_six=True, **P)), True),
+    ((QuantSpec(**P), QuantSpec(hadamard=True, **P)), False),  # amax of the transformed tensor
+    ((QuantSpec(**P), QuantSpec(global_scale="row", **P)), False),  # one amax a row
+    ((QuantSpec(**P), QuantSpec()), False),  # a NaN check must see the tensor itself
+    ((QuantSpec(**P), QuantSpec.fp8()), False),
+    ((QuantSpec(**P), None), False),
+])
+def test_one_amax_serves_an_operand_and_its_columnwise_copy(specs, shares):
+    # The row-wise and column-wise quantizations of x share max |x| when both specs compute it
+    # plainly; the operands are then bit-identical to quantizing each with its own amax.
+    x = torch.randn(40, 64)
+    x[3, 5] = -30.0
+    amax = operands.common_amax(x, *specs)
+    assert (amax is not None) == shares
+    if shares:
+        assert torch.equal(amax, x.abs().amax())
+        for columnwise, spec in zip((False, True), specs, strict=True):
+            torch.manual_seed(1)
+            own = operands.quantize_operand(x, spec, columnwise=columnwise, seed=3)
+            given = operands.quantize_operand(x, spec, amax, columnwise=columnwise, seed=3)
+            assert torch.equal(own, given)

@@ -93,6 +93,22 @@ def as_amax(amax: float | torch.Tensor, device: torch.device, check: bool = True
     return torch.tensor(float(amax), dtype=torch.float32, device=device)
 
 
+def row_amax(xf: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 1]: each row's max |x| (0 for an empty row), a row-scaled spec's amax."""
+    if xf.shape[-1] == 0:
+        return xf.new_zeros((*xf.shape[:-1], 1))
+    return xf.abs().amax(dim=-1, keepdim=True)
+
+
+def refuse_row_amax(amax, name: str) -> None:
+    """A row-scaled spec computes each row's amax: an imposed one has no meaning there."""
+    if amax is not None:
+        raise ValueError(
+            f"{name}: QuantSpec.global_scale='row' takes each row's own amax; pass amax=None, "
+            "or use global_scale='tensor' to impose one (a static or shared amax)"
+        )
+
+
 def _check_amax(amax: float) -> None:
     if not (amax >= 0.0 and amax < float("inf")):
         raise ValueError(f"amax must be finite and >= 0, got {amax}")
@@ -171,7 +187,10 @@ def quantize(
         xf = rht(xf)
         if check:  # one check of what is quantized, as the kernels do
             raise_if_flagged(bool(count_nonfinite(xf)), x, name)
-    if amax is None:
+    if spec.row_scaled:
+        refuse_row_amax(amax, name)
+        amax_t = row_amax(xf)
+    elif amax is None:
         amax_t = xf.abs().amax() if xf.numel() else _f32(0.0, xf)
     else:
         amax_t = as_amax(amax, x.device, check=spec.nan_policy == "raise")
@@ -198,7 +217,8 @@ def quantize(
     if spec.four_over_six:
         scales4 = block_scale(bmax, s_enc, 4.0)
         codes4 = _encode(xb, scales4, s_dec, u)
-        dec = global_decode_scale(amax_t, spec.scale_max)
+        # [..., 1, 1] per row (a 0-d amax gives [1]), against the blocks' [..., KB, 16].
+        dec = global_decode_scale(amax_t, spec.scale_max)[..., None]
         sq_error = _tile_sq_error if spec.is_2d else _block_sq_error
         use4 = sq_error(xb, codes4, scales4, dec) < sq_error(xb, codes, scales, dec)
         scales = torch.where(use4, scales4.view(torch.uint8), scales.view(torch.uint8))
@@ -228,7 +248,7 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     """
     codes = e2m1.unpack(t.data)
     vals = e2m1.code_to_value(codes).reshape(*t.scales.shape, BLOCK)
-    x = vals * t.scales.to(torch.float32)[..., None] * t.decode_scale
+    x = vals * t.scales.to(torch.float32)[..., None] * t.decode_scale[..., None]
     x = x.reshape(codes.shape)[..., : t.shape[-1]]
     return x.to(dtype)
 

@@ -12,11 +12,13 @@ from typing import Literal
 Rounding = Literal["rne", "stochastic"]
 NanPolicy = Literal["raise", "propagate"]
 Format = Literal["nvfp4", "fp8", "none"]
+GlobalScale = Literal["tensor", "row"]
 
 _ROUNDINGS = ("rne", "stochastic")
 _BLOCKS = ((1, 16), (16, 16))
 _NAN_POLICIES = ("raise", "propagate")
 _FORMATS = ("nvfp4", "fp8", "none")
+_GLOBAL_SCALES = ("tensor", "row")
 # FP8 block shapes, -1 meaning a whole dim: per-tensor, per-row, 1x128 blocks.
 _FP8_BLOCKS = {(-1, -1): "tensor", (1, -1): "row", (1, 128): "block128"}
 
@@ -32,6 +34,9 @@ class QuantSpec:
     hadamard:      apply the 16-point random Hadamard transform to each block before quantizing.
     four_over_six: per block, also try mapping the block max to 4 and keep the lower-MSE choice.
     nan_policy:    "raise" a ValueError on NaN/Inf input, or "propagate" (no check, no sync).
+    global_scale:  NVFP4's second-level FP32 scale: one per "tensor" (the standard), or one per
+                   "row" along the last dim (per-token activation scaling: each token's amax,
+                   so no token's outlier coarsens another's blocks; 1x16 blocks only).
     """
 
     block: tuple[int, int] = (1, 16)
@@ -40,6 +45,7 @@ class QuantSpec:
     four_over_six: bool = False
     nan_policy: NanPolicy = "raise"
     format: Format = "nvfp4"
+    global_scale: GlobalScale = "tensor"
 
     def __post_init__(self) -> None:
         block = tuple(self.block) if isinstance(self.block, (list, tuple)) else self.block
@@ -64,6 +70,14 @@ class QuantSpec:
         for name in ("hadamard", "four_over_six"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.global_scale not in _GLOBAL_SCALES:
+            raise ValueError(f"QuantSpec.global_scale must be one of {_GLOBAL_SCALES}, got "
+                             f"{self.global_scale!r}")
+        if self.row_scaled and (self.format != "nvfp4" or self.block != (1, 16)):
+            raise ValueError(
+                "QuantSpec.global_scale='row' needs format='nvfp4' with block=(1, 16): a 16x16 "
+                "tile spans 16 rows, and FP8 has its own per-row scaling (QuantSpec.fp8('row'))"
+            )
         if self.hadamard and self.block != (1, 16):
             raise ValueError(
                 "QuantSpec.hadamard=True needs block=(1, 16): the transform mixes the 16 elements "
@@ -98,6 +112,11 @@ class QuantSpec:
     @property
     def fp8_granularity(self) -> str:
         return _FP8_BLOCKS[self.block]
+
+    @property
+    def row_scaled(self) -> bool:
+        """One global scale per row (global_scale="row") instead of one per tensor."""
+        return self.global_scale == "row"
 
     @property
     def is_2d(self) -> bool:

@@ -14,9 +14,16 @@ from .global_scale import global_decode_scale
 from .spec import QuantSpec
 
 BLOCK = 16
+
+
 def padded_k(k: int) -> int:
     """Last dim rounded up to a whole number of 16-element blocks."""
     return -(-k // BLOCK) * BLOCK
+
+
+def amax_shape(shape: tuple[int, ...], spec: QuantSpec) -> tuple[int, ...]:
+    """The shape of the global amax of a tensor of `shape`: () per tensor, (*lead, 1) per row."""
+    return (*shape[:-1], 1) if spec.row_scaled else ()
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,8 @@ class NVFP4Tensor:
     data:   uint8 [..., ceil(K/16)*8], two E2M1 codes per byte, even element in the low nibble.
     scales: float8_e4m3fn [..., ceil(K/16)], one per 1x16 block (a 16x16 tile's scale is
             repeated on each of its 16 rows).
-    amax:   float32 0-d tensor, the global amax the two-level scale was built from.
+    amax:   float32, the global amax the two-level scale was built from: 0-d, or [..., 1] (one
+            per row) for a row-scaled spec (QuantSpec.global_scale="row").
     shape:  the logical shape of the quantized tensor (padding removed on dequantize).
     spec:   how it was quantized (block shape, transform, 4/6), needed to read it back.
 
@@ -57,10 +65,12 @@ class NVFP4Tensor:
                 f"NVFP4Tensor.scales must be float8_e4m3fn of shape {want_scales}, got "
                 f"{self.scales.dtype} {tuple(self.scales.shape)}"
             )
-        if self.amax.dtype != torch.float32 or self.amax.dim() != 0:
+        want_amax = amax_shape(shape, self.spec)
+        if self.amax.dtype != torch.float32 or tuple(self.amax.shape) != want_amax:
+            kind = "[..., 1] (one per row)" if self.spec.row_scaled else "0-d"
             raise ValueError(
-                f"NVFP4Tensor.amax must be a float32 0-d tensor, got {self.amax.dtype} "
-                f"with shape {tuple(self.amax.shape)}"
+                f"NVFP4Tensor.amax must be a float32 {kind} tensor of shape {want_amax}, got "
+                f"{self.amax.dtype} with shape {tuple(self.amax.shape)}"
             )
 
     @property
@@ -75,7 +85,7 @@ class NVFP4Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + self.scales.numel() + 4
+        return self.data.numel() + self.scales.numel() + 4 * self.amax.numel()
 
     def to(self, device: torch.device | str) -> NVFP4Tensor:
         return replace(

@@ -10,13 +10,14 @@ sorts and searchsorted (no scatter, no atomics): deterministic run to run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
+from .nvfp4 import fake_quantize
 from .packed_gemm import (
     PackedExperts,
     choose_grouped_config,
@@ -103,7 +104,8 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
              x_spec: QuantSpec | None, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """(a, a_div) for a grouped GEMM whose row p multiplies x[p // row_div]: x itself in dtype,
     or for an NVFP4 x_spec each pair's row quantized with its expert's amax over the rows that
-    expert receives (the reference's per-expert dynamic amax)."""
+    expert receives (the reference's per-expert dynamic amax); a row-scaled x_spec quantizes
+    each row of x once, with its own amax, which is the same for every expert it goes to."""
     if x_spec is None or x_spec.format == "none":
         return x.to(dtype), row_div
     if x_spec.format == "fp8":  # per row or 1x128 block: no expert's rows change another's
@@ -112,6 +114,9 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
                              "block, not per tensor (the loop's amax is each expert's)")
         q = fake_quantize_fp8(x, x_spec.fp8_granularity, nan_policy="propagate")
         return q.to(dtype), row_div
+    if x_spec.row_scaled:  # each token's own amax, whatever its expert: once per token
+        spec = replace(x_spec, nan_policy="propagate")
+        return fake_quantize(x, spec, dtype=dtype), row_div
     amax = group_amax(x, row_div, groups, n_experts)
     return rows_fake_quantize(x, row_div, amax, groups, x_spec, dtype), 1
 

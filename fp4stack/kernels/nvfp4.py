@@ -14,7 +14,7 @@ from ..formats.random import draw_seed, seed_keys
 from ..formats.spec import QuantSpec
 from ..formats.tensor import BLOCK, NVFP4Tensor, padded_k
 from . import cdiv
-from . import nvfp4_jit as jit
+from . import nvfp4_kernels as kj
 
 SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
 # Bit-exactness needs every float32 op rounded on its own, and libdevice's division must keep
@@ -78,16 +78,19 @@ def _grid(x3: torch.Tensor, kp: int, tile: TileConfig) -> tuple[int, int, int]:
 
 
 def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The global amax of x3 [B, M, K]: 0-d, or [B * M] for a row-scaled spec."""
     tile = AMAX_TILE
-    kp = padded_k(x3.shape[-1])
-    grid = _grid(x3, kp, tile)
-    partial = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=x3.device)
-    jit.amax_kernel[grid](
-        x3, partial, x3.shape[1], x3.shape[2], *x3.stride(),
+    b, m, k = x3.shape
+    grid = _grid(x3, padded_k(k), tile)
+    rows = spec.row_scaled
+    n = grid[1] * b * m if rows else grid[0] * grid[1] * grid[2]
+    partial = torch.empty(n, dtype=torch.float32, device=x3.device)
+    kj.amax_kernel[grid](
+        x3, partial, m, k, *x3.stride(),
         BM=tile.block_m, KB=tile.blocks_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
-        num_warps=tile.num_warps, **_launch_options(),
+        ROWS=rows, num_warps=tile.num_warps, **_launch_options(),
     )
-    return partial.amax()
+    return partial.view(grid[1], b * m).amax(0) if rows else partial.amax()
 
 
 def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
@@ -107,10 +110,12 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
     check = spec.nan_policy == "raise"
     # With the amax computed here, a non-finite input shows in it; otherwise the kernel counts.
     finite_amax = None
+    if spec.row_scaled:
+        reference.refuse_row_amax(amax, name)
     if amax is None:
         amax_t = _amax(x3, spec)
         if check:
-            finite_amax = torch.isfinite(amax_t)
+            finite_amax = torch.isfinite(amax_t).all()
             check = False
     else:
         amax_t = reference.as_amax(amax, x.device, check=spec.nan_policy == "raise")
@@ -133,13 +138,14 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
         out = data  # not written unless FAKE
     nonfinite = torch.empty(grid[0] * grid[1] * grid[2] if check else 1, dtype=torch.int32,
                             device=dev)
-    jit.quantize_kernel[grid](
+    kj.quantize_kernel[grid](
         x3, amax_t, data, scales, out, nonfinite,
         m, k, kp, *x3.stride(), _int32(k1), _int32(k2),
         BM=tile.block_m, KB=tile.blocks_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,
         SIGN_MASK=SIGN_MASK, STOCHASTIC=spec.rounding == "stochastic",
         FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, FAKE=fake,
-        CHECK_FINITE=check, num_warps=tile.num_warps, **_launch_options(),
+        CHECK_FINITE=check, ROW_AMAX=spec.row_scaled, num_warps=tile.num_warps,
+        **_launch_options(),
     )
     # Checked after the launch, so the host waits while the kernel runs, not before it.
     if finite_amax is not None:
@@ -150,6 +156,8 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
         return out.reshape(x.shape)
     lead = x.shape[:-1]
     scales = scales.view(torch.float8_e4m3fn).reshape(*lead, kp // BLOCK)
+    if spec.row_scaled:
+        amax_t = amax_t.reshape(*lead, 1)
     return NVFP4Tensor(
         data=data.reshape(*lead, kp // 2), scales=scales, amax=amax_t, shape=x.shape, spec=spec
     )
@@ -196,9 +204,9 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     out = torch.empty((r, k), dtype=dtype, device=t.device)
     tile = DEQUANTIZE_TILE
     grid = (cdiv(r, tile.block_m), cdiv(kp, tile.block_k))
-    jit.dequantize_kernel[grid](
-        data, scales, t.amax, out, r, k, kp,
+    kj.dequantize_kernel[grid](
+        data, scales, t.amax.reshape(-1) if t.spec.row_scaled else t.amax, out, r, k, kp,
         BM=tile.block_m, BK=tile.block_k, SCALE_MAX=t.spec.scale_max,
-        num_warps=tile.num_warps, **_launch_options(),
+        ROW_AMAX=t.spec.row_scaled, num_warps=tile.num_warps, **_launch_options(),
     )
     return out.reshape(t.shape)

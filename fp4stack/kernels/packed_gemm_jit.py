@@ -3,7 +3,7 @@
 Decode is bound by the weight bytes a kernel reads: a packed NVFP4 weight is 0.5625 bytes a
 value (4-bit code + one E4M3 scale per 16) against BF16's 2, so these kernels read the packed
 codes and scales and never write a dequantized copy. Each weight value is built exactly as
-`nvfp4_jit.dequantize_kernel` builds it, (e2m1(code) * scale) * D in float32, then rounded once
+`nvfp4_kernels.dequantize_kernel` builds it, (e2m1(code) * scale) * D in float32, then rounded once
 to the activation dtype with `cast_rne`, so the GEMM multiplies `fp4stack.dequantize(w, dtype)`
 bit for bit; the products are summed in float32.
 """
@@ -197,7 +197,7 @@ def rows_fake_quantize_kernel(x_ptr, amax_ptr, group_ptr, out_ptr, R, K, sxm, DI
                               SCALE_MAX: tl.constexpr):
     """out [R, K] = fake_quantize(x[r // DIV]) with the global amax amax[group[r]]: the
     per-expert activation quantization of the grouped MoE. Row for row the maths of
-    nvfp4_jit.quantize_kernel (FAKE, RNE, 1x16 blocks), only the amax differs per row."""
+    nvfp4_kernels.quantize_kernel (FAKE, RNE, 1x16 blocks), only the amax differs per row."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     kbs = pid_k * KB + tl.arange(0, KB)

@@ -26,7 +26,13 @@ from . import compensation as rc
 from .fused import shared_amax
 from .lowrank import count_and_refresh, fit_factors
 from .lowrank_split import lowrank_product, split_weight
-from .operands import _compute_dtype, fused_inference_ok, quantize_operand, weight_operand
+from .operands import (
+    _compute_dtype,
+    common_amax,
+    fused_inference_ok,
+    quantize_operand,
+    weight_operand,
+)
 from .packed import PackedSlot, PackedState
 from .recipe import Recipe
 from .recipe import recipe as get_recipe
@@ -45,17 +51,19 @@ class _QuantLinearFn(torch.autograd.Function):
         # Quantized in their own dtype, rounded once to the compute dtype inside the kernel.
         qw = (packed_w.to(dtype) if packed_w is not None
               else weight_operand(weight, recipe.w, w_amax, dtype=dtype))
-        qx = quantize_operand(x, recipe.x, x_amax, dtype=dtype)
+        weight_grad = weight is not None and ctx.needs_input_grad[1]
+        x_wgrad = weight_grad and recipe.x_wgrad is not None
+        shared = common_amax(x, recipe.x, recipe.x_wgrad) if x_wgrad and x_amax is None else None
+        qx = quantize_operand(x, recipe.x, x_amax if shared is None else shared, dtype=dtype)
         y = qx @ qw.t()
         if bias is not None:
             y = y + bias.to(dtype)
-        weight_grad = weight is not None and ctx.needs_input_grad[1]
         wd = qw if recipe.w_dgrad is None else weight_operand(weight, recipe.w_dgrad,
                                                               columnwise=True, dtype=dtype)
         xw = None
         if weight_grad:
-            xw = qx if recipe.x_wgrad is None else quantize_operand(x, recipe.x_wgrad,
-                                                                   columnwise=True, dtype=dtype)
+            xw = qx if recipe.x_wgrad is None else quantize_operand(
+                x, recipe.x_wgrad, shared, columnwise=True, dtype=dtype)
         ctx.recipe, ctx.has_bias, ctx.weight_grad = recipe, bias is not None, weight_grad
         ctx.save_for_backward(wd, xw)
         return y
@@ -63,10 +71,12 @@ class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         wd, xw = ctx.saved_tensors
-        dx = quantize_operand(dy, ctx.recipe.dy) @ wd
+        recipe = ctx.recipe
+        shared = common_amax(dy, recipe.dy, recipe.dy_wgrad) if ctx.weight_grad else None
+        dx = quantize_operand(dy, recipe.dy, shared) @ wd
         dw = None
         if ctx.weight_grad:
-            dyw = quantize_operand(dy, ctx.recipe.dy_wgrad, columnwise=True)
+            dyw = quantize_operand(dy, recipe.dy_wgrad, shared, columnwise=True)
             dw = dyw.t() @ xw
         db = dy.sum(0) if ctx.has_bias else None
         return dx, dw, db, None, None, None, None

@@ -86,6 +86,12 @@ def _presets() -> dict[str, Recipe]:
         "w8a8": Recipe("w8a8", x=fp8, w=fp8),  # FP8 rollouts: 1x128 activations, 128 weights
         "w4a4": w4a4,
         "w4a4-rc": w4a4.with_(name="w4a4-rc", compensation=ResidualCompensation()),
+        # Per-token activation scaling (a global scale per row of x, as Transformer Engine's
+        # row-scaled NVFP4 activations): a token's quantization no longer depends on the other
+        # tokens of its batch, nor on which expert it is routed to.
+        "w4a4-token": w4a4.with_(name="w4a4-token", x=_nvfp4(global_scale="row")),
+        "w4a4-rc-token": w4a4.with_(name="w4a4-rc-token", x=_nvfp4(global_scale="row"),
+                                    compensation=ResidualCompensation()),
     }
 
 

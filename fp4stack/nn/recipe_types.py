@@ -135,6 +135,15 @@ class Recipe:
         if self.activation_amax not in ("dynamic", "static"):
             raise ValueError(f"Recipe.activation_amax must be 'dynamic' or 'static', "
                              f"got {self.activation_amax!r}")
+        for name in ("w", "w_dgrad"):
+            spec = getattr(self, name)
+            if spec is not None and spec.row_scaled:
+                raise ValueError(f"Recipe.{name}: global_scale='row' is a per-token scale for "
+                                 "activations and gradients; a weight keeps one global scale "
+                                 "(packed GEMMs, checkpoints and shared q/k/v scales read one)")
+        if self.activation_amax == "static" and self.x.row_scaled:
+            raise ValueError("Recipe.activation_amax='static' calibrates one amax for Recipe.x, "
+                             "which has global_scale='row' (each token's own): use 'dynamic'")
         if self.compensation is not None and self.x.format == "none":
             raise ValueError("Recipe.compensation corrects activation quantization error, but "
                              "Recipe.x is not quantized")

@@ -34,7 +34,7 @@ class RLConfig:
     sft_steps: int = 300  # SFT warm-up on the task's reference completions (0: none)
     sft_lr: float = 3e-3
     sft_batch_size: int = 64
-    rollout: str = "quads"  # bf16, fp8, nvfp4, quads
+    rollout: str = "quads"  # a rollout.PRECISIONS key: bf16, fp8, nvfp4, quads, w4a16, ...
     compensation: float = 0.05  # quads: fraction of input channels compensated
     logprobs: str = "score"  # the engine's log-probs: "score" (one forward) or "sample"
     # engine: "fast" (static KV cache, CUDA-graph decoding, device sampling; fp4stack GPT

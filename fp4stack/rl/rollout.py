@@ -4,6 +4,10 @@
     fp8    W8A8: weights and activations FP8 E4M3 with 1x128 block scales (recipe w8a8)
     nvfp4  naive W4A4: packed NVFP4 weights, activations quantized online (recipe w4a4)
     quads  W4A4 plus activation residual compensation (recipe w4a4-rc)
+    w4a16  packed NVFP4 weights, activations unquantized (recipe w4a4@weights): what a
+           weight-only (qat-w) trainer multiplies, so the mismatch is the engines' alone
+    nvfp4-token, quads-token  nvfp4 and quads with per-token activation scales (a global scale
+           per row of x: recipes w4a4-token, w4a4-rc-token)
 
 The engine holds its own converted copy of the policy; `sync(trainer)` refits it from the trainer
 through the shared quantize path and self-checks every tensor (fp4stack.rl.sync).
@@ -30,7 +34,9 @@ from ..nn.recipe import recipe as get_recipe
 from . import policy as lm
 from .sync import export_weights, load_weights
 
-PRECISIONS = {"bf16": None, "fp8": "w8a8", "nvfp4": "w4a4", "quads": "w4a4-rc"}
+PRECISIONS = {"bf16": None, "fp8": "w8a8", "nvfp4": "w4a4", "quads": "w4a4-rc",
+              "w4a16": "w4a4@weights", "nvfp4-token": "w4a4-token",
+              "quads-token": "w4a4-rc-token"}
 
 
 @dataclass

@@ -1,0 +1,171 @@
+"""The Triton kernels of NVFP4 quantize / fake-quantize / dequantize and the global amax,
+built from the device functions of nvfp4_jit (each a step of fp4stack/formats/nvfp4.py in
+float32); launched by kernels/nvfp4.py."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .nvfp4_jit import (
+    abs_max,
+    block_amax,
+    block_scale_bits,
+    cast_rne,
+    e2m1_rne_value,
+    e2m1_value,
+    e4m3_value,
+    encode_factor,
+    global_decode,
+    global_scales,
+    load_halves,
+    pack_pairs,
+    round_half,
+    sq_error,
+    uniform,
+)
+
+
+@triton.jit
+def amax_kernel(x_ptr, partial_ptr, M, K, sb, sm, sk,
+                BM: tl.constexpr, KB: tl.constexpr, HADAMARD: tl.constexpr,
+                SIGN_MASK: tl.constexpr, ROWS: tl.constexpr):
+    """Per-program max |x| (NaN-propagating) of a [B, M, K] tensor, reduced on the host side:
+    one value a program, or with ROWS one a row, at partial[pid_k, b * M + row]."""
+    pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    if HADAMARD:
+        kbs = pid_k * KB + tl.arange(0, KB)
+        lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, sb, sm, sk, HADAMARD, SIGN_MASK)
+        m = abs_max(block_amax(lo, hi), 1)
+    else:
+        # A plain 2D tile: nothing here needs block structure, and wide loads read fastest.
+        cols = pid_k * KB * 16 + tl.arange(0, KB * 16)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        ptrs = x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64)[:, None] * sm
+        x = tl.load(ptrs + cols.to(tl.int64)[None, :] * sk, mask=mask, other=0.0)
+        m = abs_max(x.to(tl.float32), 1)
+    if ROWS:
+        row_off = (pid_k * tl.num_programs(2) + b).to(tl.int64) * M + rows
+        tl.store(partial_ptr + row_off, m, mask=rows < M)
+    else:
+        pid = (b * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_m
+        tl.store(partial_ptr + pid, abs_max(m, 0))
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr, amax_ptr, data_ptr, scale_ptr, out_ptr, nonfinite_ptr,
+    M, K, KP, sb, sm, sk, k1, k2,
+    BM: tl.constexpr, KB: tl.constexpr, IS_2D: tl.constexpr, HADAMARD: tl.constexpr,
+    SIGN_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+    SCALE_MAX: tl.constexpr, FAKE: tl.constexpr, CHECK_FINITE: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
+):
+    """Quantize BM rows x KB blocks of x [B, M, K].
+
+    FAKE=False writes packed codes to data [B, M, KP/2] and scale bits to scale [B, M, KP/16];
+    FAKE=True writes the dequantized values to out [B, M, K] (x's dtype) instead. ROW_AMAX:
+    amax holds one value a row [B * M] (a row-scaled spec) instead of one.
+    """
+    pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    kbs = pid_k * KB + tl.arange(0, KB)
+    lo, hi, mask_lo, mask_hi = load_halves(x_ptr, b, rows, kbs, M, K, sb, sm, sk,
+                                           HADAMARD, SIGN_MASK)
+    if CHECK_FINITE:
+        bad = (~(tl.abs(lo) < float("inf")) & mask_lo).to(tl.int32)
+        bad += (~(tl.abs(hi) < float("inf")) & mask_hi).to(tl.int32)
+        pid = (b * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_m
+        tl.store(nonfinite_ptr + pid, tl.sum(tl.sum(tl.sum(bad, 2), 1), 0))
+
+    if ROW_AMAX:  # [BM, 1] against the blocks' [BM, KB]; dec [BM, 1, 1] against [BM, KB, 8]
+        amax = tl.load(amax_ptr + b * M + rows, mask=rows < M, other=0.0)[:, None]
+        dec = global_decode(amax, SCALE_MAX)[:, :, None]
+    else:
+        amax = tl.load(amax_ptr)
+        dec = global_decode(amax, SCALE_MAX)
+    s_enc, s_dec = global_scales(amax, SCALE_MAX)
+    bmax = block_amax(lo, hi)
+    if IS_2D:
+        tile = abs_max(tl.reshape(bmax, (BM // 16, 16, KB)), 1)
+        bmax = tl.reshape(tl.broadcast_to(tile[:, None, :], (BM // 16, 16, KB)), (BM, KB))
+
+    u_lo = lo
+    u_hi = hi
+    if STOCHASTIC:
+        index = ((b * M + rows.to(tl.int64)) * KP)[:, None, None]
+        index += kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        u_lo = uniform(index, k1.to(tl.uint32), k2.to(tl.uint32))
+        u_hi = uniform(index + 8, k1.to(tl.uint32), k2.to(tl.uint32))
+
+    sbits = block_scale_bits(bmax, s_enc, 1.0 / 6.0)
+    enc = encode_factor(sbits, s_dec)[:, :, None]
+    if FAKE and not STOCHASTIC and not FOUR_OVER_SIX:
+        # Hot path of fake quantization: the rounded values, without going through codes.
+        val_lo = e2m1_rne_value(lo * enc)
+        val_hi = e2m1_rne_value(hi * enc)
+    else:
+        code_lo = round_half(lo * enc, u_lo, STOCHASTIC)
+        code_hi = round_half(hi * enc, u_hi, STOCHASTIC)
+        if FOUR_OVER_SIX:
+            sbits4 = block_scale_bits(bmax, s_enc, 0.25)
+            enc4 = encode_factor(sbits4, s_dec)[:, :, None]
+            code4_lo = round_half(lo * enc4, u_lo, STOCHASTIC)
+            code4_hi = round_half(hi * enc4, u_hi, STOCHASTIC)
+            err4 = sq_error(lo, hi, code4_lo, code4_hi, sbits4, dec, IS_2D)
+            use4 = err4 < sq_error(lo, hi, code_lo, code_hi, sbits, dec, IS_2D)
+            sbits = tl.where(use4, sbits4, sbits)
+            code_lo = tl.where(use4[:, :, None], code4_lo, code_lo)
+            code_hi = tl.where(use4[:, :, None], code4_hi, code_hi)
+        val_lo = e2m1_value(code_lo)
+        val_hi = e2m1_value(code_hi)
+
+    row_off = (b * M + rows.to(tl.int64))[:, None, None]
+    if FAKE:
+        s = e4m3_value(sbits)[:, :, None]
+        col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        tl.store(out_ptr + row_off * K + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo)
+        tl.store(out_ptr + row_off * K + col_lo + 8, cast_rne(val_hi * s * dec, out_ptr),
+                 mask=mask_hi)
+    else:
+        row_ok = (rows < M)[:, None, None]
+        dcol = kbs[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+        dmask = row_ok & (kbs < KP // 16)[None, :, None]
+        ptr = data_ptr + row_off * (KP // 2) + dcol
+        nan_block = (sbits == 0x7F)[:, :, None]  # the reference's codes there are all 0
+        tl.store(ptr, tl.where(nan_block, 0, pack_pairs(code_lo)), mask=dmask)
+        tl.store(ptr + 4, tl.where(nan_block, 0, pack_pairs(code_hi)), mask=dmask)
+        smask = (rows < M)[:, None] & (kbs < KP // 16)[None, :]
+        sptr = scale_ptr + (b * M + rows.to(tl.int64))[:, None] * (KP // 16) + kbs[None, :]
+        tl.store(sptr, sbits.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def dequantize_kernel(data_ptr, scale_ptr, amax_ptr, out_ptr, R, K, KP,
+                      BM: tl.constexpr, BK: tl.constexpr, SCALE_MAX: tl.constexpr,
+                      ROW_AMAX: tl.constexpr):
+    """out [R, K] = e2m1(code) * scale * D (D: global_decode of the amax, one a row with
+    ROW_AMAX)."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    KB: tl.constexpr = BK // 16
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_off = rows.to(tl.int64)[:, None]
+    dcols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+    dmask = (rows < R)[:, None] & (dcols < KP // 2)[None, :]
+    packed = tl.load(data_ptr + row_off * (KP // 2) + dcols[None, :], mask=dmask, other=0)
+    packed = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BM, KB, 16))
+    scols = pid_k * KB + tl.arange(0, KB)
+    smask = (rows < R)[:, None] & (scols < KP // 16)[None, :]
+    sbits = tl.load(scale_ptr + row_off * (KP // 16) + scols[None, :], mask=smask, other=0)
+    if ROW_AMAX:
+        amax = tl.load(amax_ptr + rows, mask=rows < R, other=0.0)
+        dec = global_decode(amax, SCALE_MAX)[:, None, None]
+    else:
+        dec = global_decode(tl.load(amax_ptr), SCALE_MAX)
+    xh = e2m1_value(codes) * e4m3_value(sbits.to(tl.int32))[:, :, None] * dec
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows < R)[:, None] & (cols < K)[None, :]
+    out = cast_rne(tl.reshape(xh, (BM, BK)), out_ptr)
+    tl.store(out_ptr + row_off * K + cols[None, :], out, mask=mask)

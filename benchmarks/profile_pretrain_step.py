@@ -32,7 +32,7 @@ from fp4stack.device import resolve_device
 from fp4stack.kernels.profiling import short_name
 from fp4stack.train.config import load_config
 from fp4stack.train.optimizers import build_from_config
-from fp4stack.train.run import build_model, open_data
+from fp4stack.train.run import build_model, compile_for_training, open_data
 from fp4stack.train.trainer import clip_gradients, forward_backward
 
 
@@ -51,13 +51,17 @@ def _batches(cfg, vocab_size: int | None, device: torch.device):
     return vocab_size, lambda step: (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
 
-def _step_fn(cfg, vocab_size: int | None, device: torch.device, compiled: bool):
+# --modes: how the model's forward and backward run (PretrainConfig.compile's values).
+MODES = {"eager": False, "compiled": True, "reduce-overhead": "reduce-overhead"}
+
+
+def _step_fn(cfg, vocab_size: int | None, device: torch.device, mode: str):
     vocab, batch = _batches(cfg, vocab_size, device)
     model, _ = build_model(cfg, vocab, device)
     opt = build_from_config(model, cfg, fused=device.type == "cuda")
     params = model.num_params()
-    if compiled:  # the model's forward (and so its backward) through Inductor; the step eager
-        model = torch.compile(model)
+    # As the trainer's compile: the model's forward (and backward) compiled, the rest eager.
+    model = compile_for_training(model, MODES[mode])
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())
     count = [0]
@@ -81,12 +85,13 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int, warmup: int,
-                   top: int, compiled: bool = False) -> dict:
+                   top: int, mode: str = "eager") -> dict:
     """Timings and the profile of `steps` training steps of cfg (after `warmup` steps), with
-    the model eager or through torch.compile (its compilation is timed apart, in warmup)."""
+    the model eager or through torch.compile (`mode`, a MODES key; its compilation is timed
+    apart, in warmup)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step, params = _step_fn(cfg, vocab_size, device, compiled)
+    step, params = _step_fn(cfg, vocab_size, device, mode)
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -123,7 +128,7 @@ def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int
     wall = statistics.median(walls)
     gpu = sum(ms for _, _, ms in kernel_rows)
     return {
-        "recipe": cfg.recipe, "mode": "compiled" if compiled else "eager", "params": params,
+        "recipe": cfg.recipe, "mode": mode, "params": params,
         "loss": loss, "warmup_s": warmup_s,
         "tokens_per_step": cfg.global_batch_size * cfg.seq_len,
         "wall_ms": wall, "wall_ms_all": walls,
@@ -173,16 +178,17 @@ def main() -> None:
                    help="random tokens of this vocabulary instead of the config's data")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--modes", default="eager",
-                   help="comma-separated: eager, compiled (the model through torch.compile)")
+                   help="comma-separated: eager, compiled (the model through torch.compile), "
+                        "reduce-overhead (compiled, replayed as CUDA graphs)")
     p.add_argument("--out", help="also write the results as JSON here (after every recipe)")
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     modes = args.modes.split(",")
-    if not modes or set(modes) - {"eager", "compiled"}:
-        p.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
-    if "compiled" in modes and args.warmup < 1:
-        p.error("--modes compiled needs --warmup >= 1 (the compilation runs there)")
+    if not modes or set(modes) - set(MODES):
+        p.error(f"--modes takes some of {list(MODES)}, got {args.modes!r}")
+    if set(modes) - {"eager"} and args.warmup < 1:
+        p.error("compiled --modes need --warmup >= 1 (the compilation runs there)")
     device = resolve_device(args.device, local_rank=0)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "config": args.config,
@@ -193,7 +199,7 @@ def main() -> None:
             cfg = load_config(args.config, recipe=name, device=args.device)
             print(f"profiling {name} ({mode}) on {device} ...", flush=True)
             r = profile_recipe(cfg, args.vocab_size, device, args.steps, args.warmup, args.top,
-                               compiled=mode == "compiled")
+                               mode=mode)
             print(f"  {r['wall_ms']:.1f} ms/step, warmup {r['warmup_s']:.0f} s", flush=True)
             results.append(r)
             if args.out:

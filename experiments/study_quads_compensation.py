@@ -1,8 +1,10 @@
 """Trainer-rollout mismatch against the share of activation channels QUADS compensates.
 
 One batch of rollouts from the RL config's starting policy (its SFT warm-up, cached in --cache),
-scored by each engine precision and by the trainer it is paired with; prints k3, max |Δlogp| and
-the sequence ESS per row as a markdown table. Runs on CPU in seconds for configs/rl/tiny.yaml.
+scored by each engine precision and by the trainer it is paired with; prints k3, mean and max
+|Δlogp| and the sequence ESS per row as a markdown table. Rows: BF16, FP8, naive NVFP4, W4A16
+and NVFP4 with per-token activation scales, then QUADS with per-tensor and per-token scales at
+each --fractions share. Runs on CPU in seconds for configs/rl/tiny.yaml.
 
     python experiments/study_quads_compensation.py --config configs/rl/tiny.yaml \
         --cache runs/rl-compare/tiny/sft
@@ -43,11 +45,14 @@ def main() -> None:
     prompts = [encode_example(tok, e.prompt)[0] for e in examples for _ in range(cfg.group_size)]
     qat = copy.deepcopy(model)
     quantize_model(qat, "qat-w")
+    fractions = [float(k) for k in args.fractions.split(",")]
     rows = [("bf16", None, model), ("fp8", None, model), ("nvfp4", None, model),
-            ("nvfp4", None, qat)]
-    rows += [("quads", float(k), qat) for k in args.fractions.split(",")]
-    print("| rollout | compensated channels | trainer | k3 | max abs dlogp | sequence ESS |")
-    print("|---|---:|---|---:|---:|---:|")
+            ("nvfp4", None, qat), ("w4a16", None, qat), ("nvfp4-token", None, model),
+            ("nvfp4-token", None, qat)]
+    rows += [(p, k, qat) for p in ("quads", "quads-token") for k in fractions]
+    print("| rollout | compensated channels | trainer | k3 | mean abs dlogp | max abs dlogp | "
+          "sequence ESS |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for precision, fraction, trainer in rows:
         engine = RolloutEngine(model, tok, precision, max_new_tokens=cfg.max_new_tokens,
                                compensation=fraction)
@@ -58,8 +63,8 @@ def main() -> None:
         m = mismatch_metrics(lp, out.logprobs, out.response_mask)
         share = "-" if fraction is None else f"{fraction:.0%}"
         name = "qat-w" if trainer is qat else "bf16"
-        print(f"| {precision} | {share} | {name} | {m['k3']:.2e} | {m['logp_diff_max']:.3f} | "
-              f"{m['ess']:.3f} |")
+        print(f"| {precision} | {share} | {name} | {m['k3']:.2e} | {m['logp_diff_mean']:.4f} | "
+              f"{m['logp_diff_max']:.3f} | {m['ess']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_compiled_mode_times_the_compiled_model_against_bf16_in_the_same_mode():
     cfg = load_config(ROOT / "configs/pretrain/tiny.yaml", recipe="bf16", global_batch_size=2,
                       micro_batch_size=2, seq_len=16, device="cpu")
     eager, compiled = (prof.profile_recipe(cfg, 512, torch.device("cpu"), steps=1, warmup=1,
-                                           top=200, compiled=c) for c in (False, True))
+                                           top=200, mode=m) for m in ("eager", "compiled"))
     assert (eager["mode"], compiled["mode"]) == ("eager", "compiled")
     # Same model, seed and tokens: the first steps' losses agree to rounding.
     assert abs(eager["loss"] - compiled["loss"]) < 1e-4 * abs(eager["loss"])

@@ -91,6 +91,43 @@ def test_levels_give_digit_counts_and_answers_are_right(op, level):
         assert any(ex.answer.startswith("-") for ex in examples)
 
 
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_worked_sums_are_answered_step_by_step(level):
+    task = load_task("arithmetic:worked", level=level)
+    examples = take(task, 0, 200) + task.test_set()[:50]
+    tok = CharTokenizer()
+    for ex in examples:
+        operands, value = evaluate(ex.prompt)
+        assert len(operands) == 5 and all(len(x) == level for x in operands)
+        assert ex.answer == str(value) and ex.meta == {"level": level, "op": "worked"}
+        steps = task.completion(ex).split(" ")
+        assert len(steps) == 4 and steps[-1].endswith(f"={value}")
+        total = int(operands[0])
+        for step, x in zip(steps, operands[1:], strict=True):  # each step adds the next term
+            assert step == f"{total}+{x}={total + int(x)}"
+            total += int(x)
+        assert task.score(task.completion(ex), ex) == 1.0
+        assert tok.decode(tok.encode(ex.prompt + task.completion(ex))) == \
+            ex.prompt + task.completion(ex)
+    lengths = [len(task.completion(ex)) for ex in examples]
+    if level >= 2:  # responses of 32+ tokens on average, for a character tokenizer
+        assert sum(lengths) / len(lengths) >= 32
+
+
+@pytest.mark.parametrize("response, reward", [
+    ("12+34=46 46+56=102 102+78=180 180+91=271", 1.0), ("=271", 1.0), ("x = 271 ", 1.0),
+    ("12+34=46 46+56=102 102+78=180 180+91=270", 0.0), ("271", 0.0), ("=271 =5", 0.0), ("", 0.0),
+])
+def test_worked_score_reads_the_last_step(response, reward):
+    ex = Example("12+34+56+78+91=", "271", {"level": 2, "op": "worked"})
+    assert load_task("arithmetic:worked").score(response, ex) == reward
+
+
+def test_the_default_mix_has_no_worked_sums():
+    ops = {ex.meta["op"] for ex in take(load_task("arithmetic"), 0, 400)}
+    assert "worked" not in ops
+
+
 def test_mix_uses_every_op():
     ops = {ex.meta["op"] for ex in take(load_task("arithmetic"), 0, 200)}
     assert ops == set(ARITHMETIC_OPS)

@@ -287,6 +287,26 @@ def test_high_precision_tail_switches_once_and_resumes_exactly(data, tmp_path):
     assert short["final_val_loss_high_precision"] == a[3]["val_loss_high_precision"]
 
 
+def test_compiled_training_is_eagers_run(data, tmp_path, capsys):
+    # compile: the steps' forward and backward through torch.compile (inductor, on CPU here).
+    # Inductor may fuse the float32 elementwise work differently, so the losses are eager's to
+    # float32 rounding, not bit for bit; the checkpoint is the eager model's (same keys), and
+    # the precision switch traces the model anew (its graphs quantize).
+    kw = dict(recipe="nvfp4", high_precision_tail=0.5, max_steps=4)
+    eager = train(config(data, tmp_path / "eager", **kw))
+    compiled = train(config(data, tmp_path / "compiled", compile=True, **kw))
+    assert "torch.compile" in capsys.readouterr().out
+    a, b = (read_metrics(tmp_path / d) for d in ("eager", "compiled"))
+    assert [r.get("high_precision", False) for r in b] == [False, False, True, True]
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-4)
+    np.testing.assert_allclose(compiled["final_val_loss"], eager["final_val_loss"], rtol=1e-4)
+    keys = [set(load_file(next((tmp_path / d).glob("checkpoints/*/model.safetensors"))))
+            for d in ("eager", "compiled")]
+    assert keys[0] == keys[1] and not any("_orig_mod" in k for k in keys[1])
+    with pytest.raises(ValueError, match="compile must be true, false or a torch.compile mode"):
+        config(data, tmp_path, compile="fast")
+
+
 def test_final_weights_are_evaluated_with_every_quantizer_off(data, tmp_path):
     # The value the trainer reports is the val loss of an unquantized GPT holding the final
     # weights (the low-rank factors are buffers a plain GPT does not have).
@@ -447,6 +467,23 @@ def test_cuda_bf16_autocast_trains(data, tmp_path, recipe):
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert all(math.isfinite(v) for v in losses) and np.mean(losses[-3:]) < losses[0] - 0.05
     assert result["device"].startswith("cuda") and result["peak_memory_gib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4-nvidia"])
+def test_cuda_graph_replayed_training_is_eagers_run(data, tmp_path, recipe):
+    # compile: reduce-overhead replays the compiled forward and backward as CUDA graphs (the
+    # quantizers' custom ops captured with them; torch runs a graph that takes a CPU tensor,
+    # such as a stochastic-rounding seed, without replay). The losses are eager's to bf16
+    # rounding.
+    eager = train(config(data, tmp_path / "eager", recipe=recipe, device="cuda"))
+    graphs = train(config(data, tmp_path / "graphs", recipe=recipe, device="cuda",
+                          compile="reduce-overhead"))
+    a, b = ([r["loss"] for r in read_metrics(tmp_path / d)] for d in ("eager", "graphs"))
+    np.testing.assert_allclose(b, a, rtol=2e-2)
+    assert math.isfinite(graphs["final_val_loss"])
+    assert abs(graphs["final_val_loss"] - eager["final_val_loss"]) < 0.05
 
 
 # -------------------------------------------------------------------------------------- NaN

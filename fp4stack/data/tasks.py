@@ -6,6 +6,8 @@ for supervised warm-up. `load_task` builds one from a short spec:
 
 - ``"arithmetic"`` (all operations mixed), ``"arithmetic:add"``, ``":sub"``, ``":mul"``,
   ``":chain"`` (three-term sums), with ``level`` = digits per operand (1..6);
+- ``"arithmetic:worked"``: five-term sums answered step by step ("12+34=46 46+56=102 ..."), the
+  reward on the last step's value: long responses (about 40 characters at level 2);
 - ``"countdown"`` and ``"gsm_symbolic"`` from the optional ``reasoning-gym`` package;
 - ``"package.module:callable"``: any callable that returns an object with the `Task` members.
 """
@@ -49,13 +51,16 @@ class Task(Protocol):
     def completion(self, example: Example) -> str: ...
 
 
-ARITHMETIC_OPS = ("add", "sub", "mul", "chain")
+ARITHMETIC_OPS = ("add", "sub", "mul", "chain")  # "arithmetic" mixes these
+WORKED = "worked"  # a sum written out step by step: only by name, never in the default mix
+_OPS = (*ARITHMETIC_OPS, WORKED)
 BUILTIN_TASKS = (
-    "arithmetic", *(f"arithmetic:{op}" for op in ARITHMETIC_OPS), "countdown", "gsm_symbolic",
+    "arithmetic", *(f"arithmetic:{op}" for op in _OPS), "countdown", "gsm_symbolic",
 )
 _TASK_MEMBERS = ("name", "train_examples", "test_set", "score", "completion")
-_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "chain": "+"}
-_CHAIN_TERMS = 3
+_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "chain": "+", WORKED: "+"}
+_TERMS = {"chain": 3, WORKED: 5}
+_LAST_STEP = re.compile(r"=\s*(-?\d+)")
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
 
@@ -101,7 +106,9 @@ class ArithmeticTask:
     results. The test set has `n_test` distinct prompts drawn with `seed`, but at most a quarter
     of all distinct problems, so that small levels keep most problems for training; training
     streams skip every test prompt. Reward is 1.0 when the response starts (after spaces) with
-    the answer as an integer, whatever follows it, else 0.0.
+    the answer as an integer, whatever follows it, else 0.0. The "worked" op's sums are answered
+    step by step, ``"12+34+56+78+91="`` -> ``"12+34=46 46+56=102 102+78=180 180+91=271"``, and
+    rewarded when the value after the response's last "=" is the answer.
     """
 
     def __init__(
@@ -109,9 +116,9 @@ class ArithmeticTask:
         seed: int = 0,
     ):
         ops = (ops,) if isinstance(ops, str) else tuple(ops)
-        bad = [op for op in ops if op not in ARITHMETIC_OPS]
+        bad = [op for op in ops if op not in _OPS]
         if not ops or bad:
-            raise ValueError(f"arithmetic ops must be among {ARITHMETIC_OPS}, got {ops}")
+            raise ValueError(f"arithmetic ops must be among {_OPS}, got {ops}")
         if not (isinstance(level, int) and 1 <= level <= 6):
             raise ValueError(f"level (digits per operand) must be an int in 1..6, got {level!r}")
         if not (isinstance(n_test, int) and n_test >= 1):
@@ -121,15 +128,14 @@ class ArithmeticTask:
         self._lo = 0 if level == 1 else 10 ** (level - 1)
         self._hi = 10**level - 1
         values = self._hi - self._lo + 1
-        space = sum(values ** (_CHAIN_TERMS if op == "chain" else 2) for op in ops)
+        space = sum(values ** _TERMS.get(op, 2) for op in ops)
         self.n_test = min(n_test, space // 4)
         self._test: list[Example] | None = None
 
     def _stream(self, rng: random.Random) -> Iterator[Example]:
         while True:
             op = rng.choice(self.ops)
-            terms = [rng.randint(self._lo, self._hi)
-                     for _ in range(_CHAIN_TERMS if op == "chain" else 2)]
+            terms = [rng.randint(self._lo, self._hi) for _ in range(_TERMS.get(op, 2))]
             if op == "sub":
                 value = terms[0] - terms[1]
             elif op == "mul":
@@ -155,10 +161,20 @@ class ArithmeticTask:
         return (ex for ex in self._stream(self._rng("train", seed)) if ex.prompt not in held_out)
 
     def score(self, response: str, example: Example) -> float:
+        if example.meta.get("op") == WORKED:
+            steps = _LAST_STEP.findall(response)
+            return 1.0 if steps and int(steps[-1]) == int(example.answer) else 0.0
         return 1.0 if _leading_int(response) == int(example.answer) else 0.0
 
     def completion(self, example: Example) -> str:
-        return example.answer
+        if example.meta.get("op") != WORKED:
+            return example.answer
+        terms = [int(t) for t in example.prompt[:-1].split("+")]
+        steps, total = [], terms[0]
+        for t in terms[1:]:
+            steps.append(f"{total}+{t}={total + t}")
+            total += t
+        return " ".join(steps)
 
 
 def _reasoning_gym(task: str):
@@ -296,8 +312,8 @@ def load_task(spec: str, **options: Any) -> Task:
         return ArithmeticTask(**options)
     if spec.startswith("arithmetic:"):
         op = spec.split(":", 1)[1]
-        if op not in ARITHMETIC_OPS:
-            raise ValueError(f"unknown arithmetic op {op!r} in {spec!r}; ops: {ARITHMETIC_OPS}")
+        if op not in _OPS:
+            raise ValueError(f"unknown arithmetic op {op!r} in {spec!r}; ops: {_OPS}")
         _check_options(ArithmeticTask, options, spec, positional=("ops",))
         return ArithmeticTask(op, **options)
     if spec in ("countdown", "gsm_symbolic"):

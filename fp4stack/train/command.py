@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bitwise-reproducible run: torch's deterministic algorithms, no cuDNN "
                    "attention (slower attention on CUDA; default: the config's)")
+    p.add_argument("--compile", nargs="?", const=True, default=None, metavar="MODE",
+                   help="the model's forward and backward through torch.compile; MODE a "
+                        "torch.compile mode, e.g. reduce-overhead (CUDA graphs too)")
     p.add_argument("--weight-flips", action="store_true", default=None,
                    help="log how often the NVFP4 forward weights flip, and flip back, from step "
                    "to step (weight_flip_rate, weight_return_rate; default: the config's)")
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                           distributed=args.distributed, micro_batch_size=args.micro_batch_size,
                           deterministic=args.deterministic, weight_flips=args.weight_flips,
                           high_precision_tail=args.high_precision_tail,
-                          ckpt_every=args.ckpt_every)
+                          ckpt_every=args.ckpt_every, compile=args.compile)
         train(cfg, resume=args.resume, verbose=args.verbose)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4stack pretrain: error: {e}", file=sys.stderr)

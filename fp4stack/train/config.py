@@ -53,6 +53,9 @@ DATA_COMMANDS = {
 }
 
 
+# torch.compile's modes, as PretrainConfig.compile names them.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 @dataclass
 class PretrainConfig:
     """One pretraining run. Batch sizes count sequences of seq_len tokens."""
@@ -96,6 +99,9 @@ class PretrainConfig:
     # Fraction of the learning-rate schedule (decay_steps), at its end, whose GEMMs and attention
     # run in BF16 (a precision switch, fp4stack.convert.to_high_precision); 0: none.
     high_precision_tail: float = 0.0
+    # The model's training forward (and so its backward) through torch.compile: true, or a
+    # torch.compile mode ("reduce-overhead" also replays CUDA graphs); false: eager.
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         self.betas = _betas(self.betas)
@@ -151,6 +157,9 @@ class PretrainConfig:
         for name in ("data", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
+        if self.compile not in (False, True, *COMPILE_MODES):
+            raise ValueError(f"compile must be true, false or a torch.compile mode "
+                             f"{list(COMPILE_MODES)}, got {self.compile!r}")
         for name in ("tensorboard", "deterministic", "weight_flips"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -80,6 +80,7 @@ class Run:
     params: int
     start_step: int = 0
     bar: Any = None  # the progress bar, while the loop runs
+    step_model: nn.Module | None = None  # what train steps call: `model`, or it compiled
     nan_skips: int = 0
     nan_skips_in_a_row: int = 0
     prior_train_s: float = 0.0  # training time of the runs this one continues
@@ -123,6 +124,9 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
         raise ValueError(f"optimizer {choice.name!r} is not supported under FSDP2 (only torch's "
                          "AdamW shards its states); use --distributed ddp, or optimizer adamw "
                          "with a recipe whose optimizer_states is fp32")
+    if cfg.compile is not False and fsdp2:
+        raise ValueError("compile is not supported under FSDP2 yet: use --distributed ddp, or "
+                         "set compile: false")
     if cfg.weight_flips and fsdp2:
         raise ValueError("weight_flips needs whole weights on each rank: use --distributed ddp "
                          "or set weight_flips: false")
@@ -143,12 +147,25 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
               flips, wall_start, gpt.num_params(), start_step=state.get("step", 0),
               nan_skips=state.get("nan_skips", 0),
               nan_skips_in_a_row=state.get("nan_skips_in_a_row", 0),
-              prior_train_s=state.get("train_s", 0.0))
+              prior_train_s=state.get("train_s", 0.0),
+              step_model=compile_for_training(model, cfg.compile))
     run.say(f"pretrain: {run.params / 1e6:.2f}M parameters"
             + (f" ({gpt.num_params(active=True) / 1e6:.2f}M active)" if gpt.config.moe else "")
             + f", recipe {cfg.recipe_name}, optimizer {choice.name}, {env.world_size} x {device}"
+            + ("" if cfg.compile is False else
+               f", torch.compile{'' if cfg.compile is True else f' ({cfg.compile})'}")
             + (f" ({cfg.distributed})" if env.distributed else "")
             + f", {cfg.global_batch_size} x {cfg.seq_len} = {run.tokens_per_step} tokens/step "
             f"(micro {cfg.micro_batch_size} x {cfg.global_batch_size // per_rank} accumulation), "
             f"steps {run.start_step} -> {cfg.max_steps}, out {out}")
     return run
+
+
+def compile_for_training(model: nn.Module, compile: bool | str) -> nn.Module:
+    """`model` through torch.compile (`compile`: True, or a torch.compile mode) for the training
+    steps' forwards and backwards; `model` itself when compile is False. The compiled wrapper
+    shares the model's parameters; checkpoints and evaluation keep using the model (its state
+    dict keys stay the same)."""
+    if compile is False:
+        return model
+    return torch.compile(model, mode=None if compile is True else compile)

@@ -36,7 +36,7 @@ from .determinism import deterministic_algorithms
 from .evaluation import evaluate, val_chunks
 from .metrics import read_metrics
 from .optimizers import set_lr
-from .run import Run, build_model, open_data, start_run
+from .run import Run, build_model, compile_for_training, open_data, start_run
 from .schedule import lr_at
 
 # open_data, build_model and val_chunks: imported from here by scripts and tests.
@@ -80,6 +80,9 @@ def switch_precision(run: Run, step: int) -> None:
     run.switched = True
     run.val_loss_high_precision = None  # the switch step's, not the final weights'
     n = to_high_precision(run.gpt)
+    if run.cfg.compile is not False:  # the compiled graphs quantize: trace the model anew
+        torch._dynamo.reset()
+        run.step_model = compile_for_training(run.model, run.cfg.compile)
     run.say(f"after step {step}: precision switch: {n} quantized modules compute in BF16 from "
             f"step {step + 1} on (high_precision_tail {run.cfg.high_precision_tail})")
     if run.flips is not None:
@@ -100,7 +103,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         x, y = (x.pin_memory().to(env.device, non_blocking=True),
                 y.pin_memory().to(env.device, non_blocking=True))
     ddp = env.distributed and cfg.distributed == "ddp"
-    loss = forward_backward(run.model, x, y, cfg.micro_batch_size, ddp, run.autocast)
+    loss = forward_backward(run.step_model, x, y, cfg.micro_batch_size, ddp, run.autocast)
     loss = distributed.all_reduce_mean(loss, env)
     grad_norm = clip_gradients(run.model, cfg.grad_clip)
     loss_value, norm_value = torch.stack((loss, grad_norm.float())).tolist()

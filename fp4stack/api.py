@@ -123,6 +123,7 @@ def quantize(
         x = x.transpose(-2, -1)
     if torch.compiler.is_compiling():
         reference.check_input(x, spec, name)
+        amax = _traced_amax(x, spec, amax)
         data, scales, amax_t = ops.quantize_op(x, ops.spec_key(spec), _op_amax(amax),
                                                _op_seed(spec, seed), name)
         return NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax_t,
@@ -147,10 +148,29 @@ def global_amax(x: torch.Tensor, *, hadamard: bool = False) -> torch.Tensor:
     return ops.global_amax_op(x, hadamard)
 
 
+def fusable_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as float32 (0-d) in torch ops: under torch.compile, Inductor fuses the reduction
+    into the kernel that produces x. The value is the amax kernel's: a max is exact in any
+    order, abs and the cast to float32 are exact, and NaN propagates as in torch.amax."""
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def _traced_amax(x: torch.Tensor, spec: QuantSpec, amax):
+    # Under compile, the global amax of a spec that would compute max |x| itself, as
+    # `fusable_amax` outside the quantizer op, which then launches only its quantize kernel.
+    # Not with a Hadamard transform (the amax is of the transformed tensor), per-row scales, or
+    # nan_policy "raise" (an imposed amax skips the op's check of x).
+    if (amax is not None or spec.format != "nvfp4" or spec.hadamard or spec.row_scaled
+            or spec.nan_policy != "propagate" or x.numel() == 0):
+        return amax
+    return fusable_amax(x)
+
+
 def _fake_quantize_values(x, spec, amax, seed, name, dtype):
     if torch.compiler.is_compiling():
         if spec.format == "nvfp4":
             reference.check_input(x, spec, name)
+            amax = _traced_amax(x, spec, amax)
         return ops.fake_quantize_op(x, ops.spec_key(spec), _op_amax(amax), _op_seed(spec, seed),
                                     name, dtype)
     if spec.format == "fp8":

@@ -114,7 +114,7 @@ def gpt_step(name: str, moe: bool = False):
     return make
 
 
-@pytest.mark.parametrize("name", ["nvfp4-nvidia", "lowrank-nvidia", "fp8"])
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4-nvidia", "lowrank-nvidia", "fp8"])
 def test_compiled_gpt_step_gives_eager_bits(name):
     # NVIDIA's recipe: 16x16 weights, stochastic rounding of the gradients in the backward
     # (seeds drawn in the graph), Hadamard-transformed wgrad operands.
@@ -131,6 +131,28 @@ def test_compiled_moe_step_gives_eager_bits(name):
 def test_compiled_hf_llama_step_gives_eager_bits():
     make = lambda: llama("nvfp4-nvidia")  # noqa: E731
     assert_same_bits(step_bits(make, None), step_bits(make, "aot_eager"))
+
+
+def test_compiled_quantizers_take_an_amax_the_graph_computes():
+    # Under compile, a plain NVFP4 operand's amax (per tensor, no Hadamard transform, no NaN
+    # check) is torch ops before the quantizer op, which Inductor fuses into x's producer,
+    # instead of the op's own amax launch. Same bits: the tests above and below.
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = QuantLinear(64, 48, bias=False, recipe="nvfp4")
+    torch.compile(layer, fullgraph=True, backend=backend)(torch.randn(32, 64))
+    calls = [n for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+             for n in sub.graph.nodes if n.op == "call_function"]  # autograd.Function's too
+    quantizers = [n for n in calls if "fake_quantize" in str(n.target)]
+    assert len(quantizers) == 6  # x, W; the backward's dy, and the column-wise x, W, dy
+    assert all(n.args[2] is not None for n in quantizers)  # (x, spec, amax, ...)
+    assert not any("global_amax" in str(n.target) for n in calls)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4-nvidia"])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..api import backend_for, fake_quantize, global_amax
+from ..api import backend_for, fake_quantize, fusable_amax, global_amax
 from ..formats.spec import QuantSpec
 
 _BLOCK = 16
@@ -51,7 +51,7 @@ def common_amax(t: torch.Tensor, *specs: QuantSpec | None) -> torch.Tensor | Non
     column-wise copy for the backward, with the same bits as two."""
     if all(s is not None and s.format == "nvfp4" and not s.row_scaled and not s.hadamard
            and s.nan_policy == "propagate" for s in specs):
-        return global_amax(t)
+        return fusable_amax(t) if torch.compiler.is_compiling() else global_amax(t)
     return None
 
 

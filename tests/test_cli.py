@@ -186,3 +186,14 @@ def test_help_has_no_literal_percent_escapes(command, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "%%" not in out and "%(" not in out
+
+
+def test_rl_flags_offer_exactly_the_configs_choices():
+    # The rl parser spells its choices out (no torch import to build it); they must stay the
+    # config's, which the engines and trainers define.
+    from fp4stack.rl import command, config, fast_rollout, rollout
+
+    assert command.ROLLOUTS == tuple(rollout.PRECISIONS)
+    assert command.TRAINERS == config.TRAINERS
+    assert command.CORRECTIONS == config.CORRECTIONS
+    assert command.ENGINES == fast_rollout.ENGINES

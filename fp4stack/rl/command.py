@@ -10,6 +10,14 @@ import argparse
 import sys
 
 
+# The config's choices, spelled out so that building the parser imports no torch (a test checks
+# them against rl.config's).
+ROLLOUTS = ("bf16", "fp8", "nvfp4", "quads", "w4a16", "nvfp4-token", "quads-token")
+TRAINERS = ("bf16", "qat-w")
+CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
+ENGINES = ("auto", "fast", "reference")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (presets: configs/rl/*.yaml); default: the "
                    "built-in defaults (tiny MoE GPT on 2-digit addition)")
@@ -25,15 +33,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--rollout", choices=("bf16", "fp8", "nvfp4", "quads"),
+    p.add_argument("--rollout", choices=ROLLOUTS,
                    help="rollout precision (default: the config's)")
-    p.add_argument("--trainer", choices=("bf16", "qat-w"), help="trainer recipe")
-    p.add_argument("--correction",
-                   choices=("none", "token-tis", "token-mis", "seq-tis", "seq-mis"),
+    p.add_argument("--trainer", choices=TRAINERS, help="trainer recipe")
+    p.add_argument("--correction", choices=CORRECTIONS,
                    help="rollout correction (importance weights on the policy loss)")
     p.add_argument("--routing-replay", action="store_true", default=None,
                    help="replay the rollout's MoE routing in the trainer")
-    p.add_argument("--engine", choices=("auto", "fast", "reference"),
+    p.add_argument("--engine", choices=ENGINES,
                    help="rollout engine: fast (static KV cache, CUDA-graph steps), reference, "
                         "or auto (fast for fp4stack GPT policies on CUDA; the default)")
     p.add_argument("--out", help="output directory; {rollout} and {trainer} are filled in")

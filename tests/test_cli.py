@@ -193,7 +193,7 @@ def test_rl_flags_offer_exactly_the_configs_choices():
     # config's, which the engines and trainers define.
     from fp4stack.rl import command, config, fast_rollout, rollout
 
-    assert command.ROLLOUTS == tuple(rollout.PRECISIONS)
+    assert tuple(rollout.PRECISIONS) == command.ROLLOUTS
     assert command.TRAINERS == config.TRAINERS
     assert command.CORRECTIONS == config.CORRECTIONS
     assert command.ENGINES == fast_rollout.ENGINES

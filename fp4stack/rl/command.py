@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 # The config's choices, spelled out so that building the parser imports no torch (a test checks
 # them against rl.config's).
 ROLLOUTS = ("bf16", "fp8", "nvfp4", "quads", "w4a16", "nvfp4-token", "quads-token")

@@ -155,13 +155,18 @@ def fusable_amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().to(torch.float32)
 
 
+def imposable_amax(spec: QuantSpec) -> bool:
+    """Whether max |x| of the tensor itself, passed as `amax=`, gives `spec`'s own bits: NVFP4
+    with one global scale per tensor, no Hadamard transform (its amax is of the transformed
+    tensor) and nan_policy "propagate" (an imposed amax skips the check of x)."""
+    return (spec.format == "nvfp4" and not spec.hadamard and not spec.row_scaled
+            and spec.nan_policy == "propagate")
+
+
 def _traced_amax(x: torch.Tensor, spec: QuantSpec, amax):
-    # Under compile, the global amax of a spec that would compute max |x| itself, as
-    # `fusable_amax` outside the quantizer op, which then launches only its quantize kernel.
-    # Not with a Hadamard transform (the amax is of the transformed tensor), per-row scales, or
-    # nan_policy "raise" (an imposed amax skips the op's check of x).
-    if (amax is not None or spec.format != "nvfp4" or spec.hadamard or spec.row_scaled
-            or spec.nan_policy != "propagate" or x.numel() == 0):
+    # Under compile, the amax a spec would compute itself, as `fusable_amax` outside the
+    # quantizer op, which then launches only its quantize kernel.
+    if amax is not None or not imposable_amax(spec) or x.numel() == 0:
         return amax
     return fusable_amax(x)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..api import backend_for, fake_quantize, fusable_amax, global_amax
+from ..api import backend_for, fake_quantize, fusable_amax, global_amax, imposable_amax
 from ..formats.spec import QuantSpec
 
 _BLOCK = 16
@@ -45,14 +45,12 @@ def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
 
 def common_amax(t: torch.Tensor, *specs: QuantSpec | None) -> torch.Tensor | None:
     """max |t| (float32, 0-d) when every spec in `specs` would compute exactly that global amax
-    of t, row-wise or column-wise alike: NVFP4, one global scale per tensor, no Hadamard
-    transform (whose amax is of the transformed tensor), no NaN check (an imposed amax skips
-    the check of t); else None. One amax pass then serves the forward operand and its
-    column-wise copy for the backward, with the same bits as two."""
-    if all(s is not None and s.format == "nvfp4" and not s.row_scaled and not s.hadamard
-           and s.nan_policy == "propagate" for s in specs):
-        return fusable_amax(t) if torch.compiler.is_compiling() else global_amax(t)
-    return None
+    of t, row-wise or column-wise alike (`api.imposable_amax`); else None. One amax pass then
+    serves the forward operand and its column-wise copy for the backward, with the same bits
+    as two."""
+    if not all(s is not None and imposable_amax(s) for s in specs):
+        return None
+    return fusable_amax(t) if torch.compiler.is_compiling() and t.numel() else global_amax(t)
 
 
 # The step's weight operands while `weight_operands_once` is active: (parameter id, its version,

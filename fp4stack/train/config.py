@@ -56,6 +56,7 @@ DATA_COMMANDS = {
 # torch.compile's modes, as PretrainConfig.compile names them.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
+
 @dataclass
 class PretrainConfig:
     """One pretraining run. Batch sizes count sequences of seq_len tokens."""

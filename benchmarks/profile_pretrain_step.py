@@ -52,7 +52,7 @@ def _batches(cfg, vocab_size: int | None, device: torch.device):
 
 
 # --modes: how the model's forward and backward run (PretrainConfig.compile's values).
-MODES = {"eager": False, "compiled": True, "reduce-overhead": "reduce-overhead"}
+MODES = {"eager": False, "compiled": True}
 
 
 def _step_fn(cfg, vocab_size: int | None, device: torch.device, mode: str):
@@ -178,8 +178,8 @@ def main() -> None:
                    help="random tokens of this vocabulary instead of the config's data")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--modes", default="eager",
-                   help="comma-separated: eager, compiled (the model through torch.compile), "
-                        "reduce-overhead (compiled, replayed as CUDA graphs)")
+                   help="comma-separated: eager, compiled (the model through torch.compile; "
+                        "the trainer refuses CUDA-graph modes, see PretrainConfig.compile)")
     p.add_argument("--out", help="also write the results as JSON here (after every recipe)")
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0:

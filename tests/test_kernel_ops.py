@@ -82,20 +82,24 @@ def experts(kind: str, dtype):
     return plain if kind == "bf16" else QuantExperts.from_experts(plain, recipe(kind))
 
 
-@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w8a8"])
+@pytest.mark.parametrize("kind", ["bf16", "w4a4", "w8a8", "w4a4-rc"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mlp_op_is_the_per_expert_loop(kernels, kind, dtype):
+    if kind == "w4a4-rc" and dtype == torch.bfloat16:
+        pytest.skip("the loop's second GEMM rounds apart in bf16 (test_moe_grouped covers it)")
     mod = experts(kind, dtype)
     g = torch.Generator().manual_seed(1)
     weights, indices = torch.randn(9, 6, generator=g).softmax(-1).topk(2, dim=-1)
     weights, indices = weights.to(DEVICE), indices.to(DEVICE)
     x = randn(9, 32, seed=2, dtype=dtype)
-    gate_up, down, x_spec = mod.grouped_operands()
+    gate_up, down, x_spec, comp = mod.grouped_operands(dtype)
     with torch.no_grad():
-        got = inference_ops.grouped_mlp(x, weights, indices, gate_up, down, x_spec, dtype)
+        got = inference_ops.grouped_mlp(x, weights, indices, gate_up, down, x_spec, dtype, comp)
         want = mod.loop_forward(x, weights, indices)
     assert got.dtype == torch.float32
-    if dtype == torch.bfloat16 or not kernels:
+    if comp is not None:  # the loop adds the correction as its own GEMM: rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif dtype == torch.bfloat16 or not kernels:
         assert torch.equal(got.to(dtype), want)
     else:
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
@@ -106,8 +110,10 @@ def test_grouped_mlp_op_is_the_per_expert_loop(kernels, kind, dtype):
         [down.data, down.scales.view(torch.uint8), down.amax]
     w_spec = "" if isinstance(gate_up, torch.Tensor) else ops.spec_key(gate_up.spec)
     xs = "" if x_spec is None else ops.spec_key(x_spec)
+    counts, norms = ([], []) if comp is None else map(list, zip(*comp, strict=True))
     torch.library.opcheck(inference_ops.grouped_mlp_op,
-                          (x, weights, indices, parts, dn, [32, 16], w_spec, xs, dtype))
+                          (x, weights, indices, parts, dn, [32, 16], w_spec, xs, dtype, counts,
+                           norms))
 
 
 def qkv(seed: int = 0, heads: tuple[int, int] = (4, 2), s: int = 24):

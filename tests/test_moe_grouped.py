@@ -12,8 +12,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fp4stack import recipe
+from fp4stack import dequantize, recipe
 from fp4stack.formats.fp8 import fake_quantize_fp8
+from fp4stack.nn import inference_ops
 from fp4stack.nn import operands as operands_mod
 from fp4stack.nn.moe import Experts, MoEBlock
 from fp4stack.nn.quant_experts import QuantExperts
@@ -122,6 +123,61 @@ def test_grouped_matches_the_loop(fused_on_cpu, kind, dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["w4a4-rc", "w4a4-rc-token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_compensation_matches_the_loop(fused_on_cpu, monkeypatch, kind, dtype):
+    # QUADS on the experts: each expert's channels by the energy of the rows it receives. The
+    # loop adds the correction as a second GEMM, the grouped path multiplies x~ once: in
+    # float32 equal up to the rounding of that sum. In bfloat16 that rounding can move a code
+    # of the down projection's Q(h), so there the kernels are held to the torch form of the
+    # grouped path (inference_ops without kernels: x~ of each expert times Q(W_e)).
+    mod = experts(kind, dtype)
+    plain = experts(kind.replace("-rc", ""), dtype)
+    plain.load_state_dict(mod.state_dict())
+    assert mod.grouped_operands(dtype)[3] is not None
+    for t, k, skip in CASES:
+        w, idx = routing(t, k, seed=t + k, skip=skip)
+        x = (torch.randn(t, D) * torch.logspace(-2, 1, D)).to(DEVICE, dtype)
+        with torch.no_grad():
+            got, uncompensated = mod(x, w, idx), plain(x, w, idx)
+            if dtype == torch.float32:
+                want = mod.loop_forward(x, w, idx)
+            else:
+                with monkeypatch.context() as m:
+                    m.setattr(inference_ops, "kernels_run", lambda _: False)
+                    want = mod(x, w, idx)
+        tol = 2e-6 if dtype == torch.float32 else 0.0
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+        assert not torch.equal(got, uncompensated)  # the experts' activations are corrected
+
+
+def test_grouped_compensation_of_every_channel_is_w4a16(fused_on_cpu):
+    # C = all channels: x~ = x, so the result is the weight-only (W4A16) experts' bit for bit.
+    full = recipe("w4a4-rc").with_(compensation=replace(recipe("w4a4-rc").compensation, k=1.0))
+    torch.manual_seed(0)
+    mod = QuantExperts.from_experts(Experts(D, H, E).to(DEVICE, torch.bfloat16), full)
+    w4a16 = experts("w4a4@weights", torch.bfloat16)
+    w4a16.load_state_dict(mod.state_dict())
+    w, idx = routing(24, 2, seed=1, skip=(5,))
+    x = torch.randn(24, D, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(mod(x, w, idx), w4a16(x, w, idx))
+
+
+def test_grouped_column_norms_follow_a_weight_sync(fused_on_cpu):
+    mod = experts("w4a4-rc")
+    norms = mod.grouped_operands(torch.float32)[3][0][1]
+    want = torch.stack([dequantize(mod.packed_expert("gate_up", e)).pow(2).sum(0)
+                        for e in range(E)])
+    torch.testing.assert_close(norms, want, rtol=1e-6, atol=0)
+    other = experts("w4a4-rc", seed=4)
+    mod.write_packed("gate_up", [other.packed_expert("gate_up", e) for e in range(E)])
+    mod.refresh_inference_cache()  # what a rollout engine's sync does next
+    again = mod.grouped_operands(torch.float32)[3][0][1]
+    assert again is norms  # the same tensor: a captured CUDA graph reads the new norms
+    torch.testing.assert_close(again, other.grouped_operands(torch.float32)[3][0][1])
+
+
 @pytest.mark.parametrize("config", list(pg.GROUPED_CONFIGS))
 def test_every_grouped_config(fused_on_cpu, monkeypatch, config):
     monkeypatch.setattr(moe_align, "choose_grouped_config",
@@ -137,7 +193,7 @@ def test_every_grouped_config(fused_on_cpu, monkeypatch, config):
 
 def test_w8a8_stacks_are_cached_and_refreshed_in_place():
     mod = experts("w8a8")
-    gate_up, down, x_spec = mod.grouped_operands()
+    gate_up, down, x_spec, _ = mod.grouped_operands()
     assert x_spec.format == "fp8" and mod.grouped_operands()[0] is gate_up
     before = gate_up.clone()
     with torch.no_grad():
@@ -222,18 +278,20 @@ def test_grouped_moe_never_syncs_and_captures_in_a_cuda_graph():
     block = MoEBlock(256, 128, 16, 4).to("cuda", torch.bfloat16)
     quant = MoEBlock(256, 128, 16, 4).to("cuda", torch.bfloat16)
     quant.experts = QuantExperts.from_experts(quant.experts, recipe("w4a4"))
+    quads = MoEBlock(256, 128, 16, 4).to("cuda", torch.bfloat16)
+    quads.experts = QuantExperts.from_experts(quads.experts, recipe("w4a4-rc"))
     x = torch.randn(2, 5, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        want = [block(x), quant(x)]
+        want = [block(x), quant(x), quads(x)]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            block(x), quant(x)
+            block(x), quant(x), quads(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [block(x), quant(x)]
+            outs = [block(x), quant(x), quads(x)]
     graph.replay()
     torch.cuda.synchronize()
     for got, ref in zip(outs, want, strict=True):
@@ -242,12 +300,17 @@ def test_grouped_moe_never_syncs_and_captures_in_a_cuda_graph():
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["w4a4", "w4a4-rc"])
 @pytest.mark.parametrize("tokens", [1, 64, 256])
-def test_large_grouped_moe_on_gpu(tokens):
+def test_large_grouped_moe_on_gpu(tokens, kind):
+    # QUADS in float32: in bfloat16 the loop's second GEMM (the correction) rounds apart from
+    # the grouped path's one GEMM of x~, which moves codes of Q(h) (0.1% of the outputs beyond
+    # the bound on the H200, 2026-12-03); test_grouped_compensation_matches_the_loop has more.
     torch.manual_seed(tokens)
     e, k, d, i = 64, 8, 2048, 768
-    mod = QuantExperts.from_experts(Experts(d, i, e).to("cuda", torch.bfloat16), recipe("w4a4"))
-    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    dtype = torch.float32 if kind == "w4a4-rc" else torch.bfloat16
+    mod = QuantExperts.from_experts(Experts(d, i, e).to("cuda", dtype), recipe(kind))
+    x = torch.randn(tokens, d, device="cuda", dtype=dtype)
     w, idx = torch.randn(tokens, e, device="cuda").softmax(-1).topk(k, dim=-1)
     with torch.no_grad():
         got, want = mod(x, w, idx), mod.loop_forward(x, w, idx)

@@ -469,21 +469,12 @@ def test_cuda_bf16_autocast_trains(data, tmp_path, recipe):
     assert result["device"].startswith("cuda") and result["peak_memory_gib"] > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4-nvidia"])
-def test_cuda_graph_replayed_training_is_eagers_run(data, tmp_path, recipe):
-    # compile: reduce-overhead replays the compiled forward and backward as CUDA graphs (the
-    # quantizers' custom ops captured with them; torch runs a graph that takes a CPU tensor,
-    # such as a stochastic-rounding seed, without replay). The losses are eager's to bf16
-    # rounding.
-    eager = train(config(data, tmp_path / "eager", recipe=recipe, device="cuda"))
-    graphs = train(config(data, tmp_path / "graphs", recipe=recipe, device="cuda",
-                          compile="reduce-overhead"))
-    a, b = ([r["loss"] for r in read_metrics(tmp_path / d)] for d in ("eager", "graphs"))
-    np.testing.assert_allclose(b, a, rtol=2e-2)
-    assert math.isfinite(graphs["final_val_loss"])
-    assert abs(graphs["final_val_loss"] - eager["final_val_loss"]) < 0.05
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_compile_modes_are_refused(data, tmp_path, mode):
+    # Replayed as CUDA graphs, the training step's backward read forward outputs overwritten by
+    # the next replay on the H200 (torch 2.11, 2026-12-03): refused with the way out.
+    with pytest.raises(ValueError, match="compile: true"):
+        config(data, tmp_path, compile=mode)
 
 
 # -------------------------------------------------------------------------------------- NaN

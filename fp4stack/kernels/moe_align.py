@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
+from .compensation import compensated_operand
 from .nvfp4 import fake_quantize
 from .packed_gemm import (
     PackedExperts,
@@ -33,10 +34,12 @@ class Alignment:
     sorted_rows: int32 [n_tiles * block_m], the pair of each row (`pairs` for padding); an
                  expert's pairs are in increasing order.
     tile_expert: int32 [n_tiles], the expert of each tile; -1 for the unused tiles at the end.
+    expert_tiles: int32 [E + 1], expert e's tiles are expert_tiles[e] .. expert_tiles[e + 1].
     """
 
     sorted_rows: torch.Tensor
     tile_expert: torch.Tensor
+    expert_tiles: torch.Tensor
     pairs: int
     block_m: int
 
@@ -58,7 +61,8 @@ def align_pairs(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignmen
     bounds = torch.searchsorted(flat[order], experts)  # expert e's pairs: order[bounds[e]:...]
     start, counts = bounds[:-1], bounds[1:] - bounds[:-1]
     tiles = (counts + block_m - 1) // block_m
-    padded_end = torch.cumsum(tiles, 0) * block_m
+    tile_end = torch.cumsum(tiles, 0)
+    padded_end = tile_end * block_m
     padded_start = padded_end - tiles * block_m
     rows = torch.arange(n_tiles * block_m, device=dev)
     row_expert = torch.searchsorted(padded_end, rows, right=True)  # n_experts past the end
@@ -69,7 +73,8 @@ def align_pairs(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignmen
     sorted_rows = torch.where(valid, order[src], pairs).to(torch.int32)
     tile_expert = row_expert[::block_m]
     tile_expert = torch.where(tile_expert < n_experts, tile_expert, -1).to(torch.int32)
-    return Alignment(sorted_rows, tile_expert, pairs, block_m)
+    expert_tiles = F.pad(tile_end, (1, 0)).to(torch.int32)
+    return Alignment(sorted_rows, tile_expert, expert_tiles, pairs, block_m)
 
 
 def group_amax(rows: torch.Tensor, row_div: int, group: torch.Tensor,
@@ -101,11 +106,14 @@ def combine(y: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> to
 
 
 def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int,
-             x_spec: QuantSpec | None, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+             x_spec: QuantSpec | None, dtype: torch.dtype, al: Alignment,
+             compensation: tuple[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """(a, a_div) for a grouped GEMM whose row p multiplies x[p // row_div]: x itself in dtype,
     or for an NVFP4 x_spec each pair's row quantized with its expert's amax over the rows that
     expert receives (the reference's per-expert dynamic amax); a row-scaled x_spec quantizes
-    each row of x once, with its own amax, which is the same for every expert it goes to."""
+    each row of x once, with its own amax, which is the same for every expert it goes to.
+    `compensation` (count, norms [E, K]): QUADS's x~ per pair, each expert's count channels of
+    highest residual energy over its rows put back to x (kernels.compensation)."""
     if x_spec is None or x_spec.format == "none":
         return x.to(dtype), row_div
     if x_spec.format == "fp8":  # per row or 1x128 block: no expert's rows change another's
@@ -114,8 +122,13 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
                              "block, not per tensor (the loop's amax is each expert's)")
         q = fake_quantize_fp8(x, x_spec.fp8_granularity, nan_policy="propagate")
         return q.to(dtype), row_div
+    spec = replace(x_spec, nan_policy="propagate")
+    if compensation is not None:  # Q(x) and the residual in x's dtype, as the loop
+        count, norms = compensation
+        amax = None if spec.row_scaled else group_amax(x, row_div, groups, n_experts)
+        a = compensated_operand(x, spec, count, norms, amax=amax, alignment=al, row_div=row_div)
+        return a.to(dtype), 1
     if x_spec.row_scaled:  # each token's own amax, whatever its expert: once per token
-        spec = replace(x_spec, nan_policy="propagate")
         return fake_quantize(x, spec, dtype=dtype), row_div
     amax = group_amax(x, row_div, groups, n_experts)
     return rows_fake_quantize(x, row_div, amax, groups, x_spec, dtype), 1
@@ -123,13 +136,16 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
 
 def grouped_mlp(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 gate_up: PackedExperts | torch.Tensor, down: PackedExperts | torch.Tensor,
-                x_spec: QuantSpec | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                x_spec: QuantSpec | None = None, dtype: torch.dtype | None = None,
+                compensation=None) -> torch.Tensor:
     """The SwiGLU experts of `Experts.forward` for x [T, D] routed by indices / weights [T, k]:
     float32 [T, D] = sum_j weights[:, j] * down_e(silu(gate_e(x)) * up_e(x)), e = indices[:, j].
 
     gate_up [E, 2I, D] and down [E, D, I]: PackedExperts or plain tensors. GEMMs in `dtype`
     (default x's) with float32 sums. x_spec (NVFP4, 1x16, RNE): each expert's input rows are
     quantized with the amax of the rows that expert receives, as the per-expert reference does.
+    compensation: None, or per projection (count, column norms [E, K] of its packed weights):
+    QUADS residual compensation of each expert's activations (see `_operand`).
     """
     dtype = dtype or x.dtype
     t, k = indices.shape
@@ -141,10 +157,11 @@ def grouped_mlp(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
     groups = indices.reshape(-1)
     if not isinstance(gate_up, PackedExperts):
         gate_up, down = gate_up.to(dtype), down.to(dtype)
-    a, a_div = _operand(x, k, groups, n_experts, x_spec, dtype)
+    comp_gu, comp_dn = compensation if compensation is not None else (None, None)
+    a, a_div = _operand(x, k, groups, n_experts, x_spec, dtype, al, comp_gu)
     gu = grouped_gemm(a, a_div, gate_up, al.sorted_rows, al.tile_expert, al.pairs, cfg)
     gate, up = gu.chunk(2, dim=-1)
     h = F.silu(gate) * up
-    h, h_div = _operand(h, 1, groups, n_experts, x_spec, dtype)
+    h, h_div = _operand(h, 1, groups, n_experts, x_spec, dtype, al, comp_dn)
     y = grouped_gemm(h, h_div, down, al.sorted_rows, al.tile_expert, al.pairs, cfg)
     return combine(y, weights, indices)

@@ -330,22 +330,27 @@ def rows_fake_quantize(x: torch.Tensor, row_div: int, amax: torch.Tensor, group:
     return out
 
 
-def column_sq_norms(w: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 [K]: per column c, sum over rows of dequantize(w, dtype)[:, c]² (squares and
-    sums in float32, rows in a fixed order), without writing the dequantized weight."""
-    if len(w.shape) != 2:
+def column_sq_norms(w: NVFP4Tensor | PackedExperts, dtype: torch.dtype) -> torch.Tensor:
+    """float32 [K] (a weight [N, K]) or [E, K] (a stack of E): per column c, sum over rows of
+    dequantize(w, dtype)[:, c]² (squares and sums in float32, rows in a fixed order), without
+    writing the dequantized weight."""
+    stack = isinstance(w, PackedExperts)
+    if not stack and len(w.shape) != 2:
         raise ValueError(f"column_sq_norms: the weight must be 2-D, got {tuple(w.shape)}")
-    n, k = w.shape
-    wd, ws = _packed_parts(w)
-    out = torch.empty(k, dtype=torch.float32, device=w.device)
-    if k == 0:
-        return out
+    if stack and w.spec.hadamard:
+        raise ValueError("column_sq_norms: expert weights quantized with hadamard=True")
+    e, n, k = w.shape if stack else (1, *w.shape)
+    wd, ws = (w.data, w.scales.view(torch.uint8)) if stack else _packed_parts(w)
+    out = torch.empty((e, k), dtype=torch.float32, device=w.data.device)
+    if k == 0 or e == 0:
+        return out if stack else out[0]
     if n == 0:
-        return out.zero_()
-    like = torch.empty(1, dtype=dtype, device=w.device)
+        out.zero_()
+        return out if stack else out[0]
+    like = torch.empty(1, dtype=dtype, device=w.data.device)
     bn, bk = 32, 32
-    jit.column_sq_norms_kernel[(cdiv(k, bk),)](
+    jit.column_sq_norms_kernel[(cdiv(k, bk), e)](
         wd, ws, w.amax, like, out, n, k, padded_k(k), BN=bn, BK=bk,
         SCALE_MAX=w.spec.scale_max, num_warps=4, **_exact(k),
     )
-    return out
+    return out if stack else out[0]

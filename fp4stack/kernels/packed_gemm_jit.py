@@ -177,10 +177,15 @@ def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexp
 def column_sq_norms_kernel(wd_ptr, ws_ptr, amax_ptr, like_ptr, out_ptr, N, K, KP,
                            BN: tl.constexpr, BK: tl.constexpr, SCALE_MAX: tl.constexpr,
                            PAD_K: tl.constexpr, NATIVE_CAST: tl.constexpr):
-    """out[c] = sum over rows of Q(W)[:, c]^2 (Q(W) rounded to like's dtype, squared and summed
-    in float32), for residual compensation's channel energy; reads the packed weight once."""
+    """out[e, c] = sum over rows of Q(W_e)[:, c]^2 (Q(W_e) rounded to like's dtype, squared
+    and summed in float32) for the weights W_e [N, K] of a stack (program_id(1) = e), for
+    residual compensation's channel energy; reads the packed weights once."""
     k0 = tl.program_id(0) * BK
-    dec = global_decode(tl.load(amax_ptr), SCALE_MAX)
+    e = tl.program_id(1).to(tl.int64)
+    wd_ptr += e * N * (KP // 2)
+    ws_ptr += e * N * (KP // 16)
+    out_ptr += e * K
+    dec = global_decode(tl.load(amax_ptr + e), SCALE_MAX)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for n0 in range(0, N, BN):
         n = n0 + tl.arange(0, BN)
@@ -192,22 +197,10 @@ def column_sq_norms_kernel(wd_ptr, ws_ptr, amax_ptr, like_ptr, out_ptr, N, K, KP
 
 
 @triton.jit
-def rows_fake_quantize_kernel(x_ptr, amax_ptr, group_ptr, out_ptr, R, K, sxm, DIV,
-                              BM: tl.constexpr, KB: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
-                              SCALE_MAX: tl.constexpr):
-    """out [R, K] = fake_quantize(x[r // DIV]) with the global amax amax[group[r]]: the
-    per-expert activation quantization of the grouped MoE. Row for row the maths of
-    nvfp4_kernels.quantize_kernel (FAKE, RNE, 1x16 blocks), only the amax differs per row."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    kbs = pid_k * KB + tl.arange(0, KB)
-    row_ok = rows < R
-    # Rows past R read source rows past R // DIV, which load_halves masks; program_id(2) is
-    # the batch index 0 (the grid has one).
-    lo, hi, mask_lo, mask_hi = load_halves(x_ptr, tl.program_id(2), rows // DIV, kbs,
-                                           tl.cdiv(R, DIV), K, 0, sxm, 1, False, 0)
-    g = tl.load(group_ptr + rows, mask=row_ok, other=0)
-    amax = tl.load(amax_ptr + g, mask=row_ok, other=1.0)  # rows past R are not stored
+def fake_quantize_halves(lo, hi, amax, FOUR_OVER_SIX: tl.constexpr, SCALE_MAX: tl.constexpr):
+    """The float32 values of fake_quantize (RNE, 1x16 blocks) of the half-blocks lo, hi
+    [BM, KB, 8], row i with the global amax amax[i]: nvfp4_kernels.quantize_kernel's maths for
+    FAKE, before the cast to the output dtype."""
     s_enc, s_dec = global_scales(amax, SCALE_MAX)
     bmax = block_amax(lo, hi)
     sbits = block_scale_bits(bmax, s_enc[:, None], 1.0 / 6.0)
@@ -229,8 +222,29 @@ def rows_fake_quantize_kernel(x_ptr, amax_ptr, group_ptr, out_ptr, R, K, sxm, DI
         val_lo = e2m1_rne_value(lo * enc)
         val_hi = e2m1_rne_value(hi * enc)
     s = e4m3_value(sbits)[:, :, None]
+    return val_lo * s * dec, val_hi * s * dec
+
+
+@triton.jit
+def rows_fake_quantize_kernel(x_ptr, amax_ptr, group_ptr, out_ptr, R, K, sxm, DIV,
+                              BM: tl.constexpr, KB: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+                              SCALE_MAX: tl.constexpr):
+    """out [R, K] = fake_quantize(x[r // DIV]) with the global amax amax[group[r]]: the
+    per-expert activation quantization of the grouped MoE. Row for row the maths of
+    nvfp4_kernels.quantize_kernel (FAKE, RNE, 1x16 blocks), only the amax differs per row."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    kbs = pid_k * KB + tl.arange(0, KB)
+    row_ok = rows < R
+    # Rows past R read source rows past R // DIV, which load_halves masks; program_id(2) is
+    # the batch index 0 (the grid has one).
+    lo, hi, mask_lo, mask_hi = load_halves(x_ptr, tl.program_id(2), rows // DIV, kbs,
+                                           tl.cdiv(R, DIV), K, 0, sxm, 1, False, 0)
+    g = tl.load(group_ptr + rows, mask=row_ok, other=0)
+    amax = tl.load(amax_ptr + g, mask=row_ok, other=1.0)  # rows past R are not stored
+    q_lo, q_hi = fake_quantize_halves(lo, hi, amax, FOUR_OVER_SIX, SCALE_MAX)
     col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     base = out_ptr + rows.to(tl.int64)[:, None, None] * K
     row3 = row_ok[:, None, None]
-    tl.store(base + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo & row3)
-    tl.store(base + col_lo + 8, cast_rne(val_hi * s * dec, out_ptr), mask=mask_hi & row3)
+    tl.store(base + col_lo, cast_rne(q_lo, out_ptr), mask=mask_lo & row3)
+    tl.store(base + col_lo + 8, cast_rne(q_hi, out_ptr), mask=mask_hi & row3)

@@ -23,13 +23,11 @@ MAX_LENGTH = 1 << 15  # one program holds the vector in registers
 
 
 @triton.jit
-def top_mask_kernel(v_ptr, out_ptr, N, K, BLOCK: tl.constexpr):
-    """out[i] = v[i] is among the K largest of v[:N] (ties lowest index first); 0 < K <= N."""
-    i = tl.arange(0, BLOCK)
-    ok = i < N
-    bits = tl.load(v_ptr + i, mask=ok, other=0.0).to(tl.uint32, bitcast=True)
-    # The largest pattern t with at least K entries >= t is the K-th largest; padding never
-    # counts (it is masked out of every count).
+def top_k_mask(v, ok, K):
+    """v[i] is among the K largest of v[ok] (ties lowest index first; 0 < K): the entries
+    outside `ok` never count and are never chosen. v: float32 values >= +0 (or NaN)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    # The largest pattern t with at least K entries >= t is the K-th largest.
     t = tl.full((), 0, tl.uint32)
     for b in tl.static_range(31, -1, -1):
         cand = t | (1 << b)
@@ -39,7 +37,16 @@ def top_mask_kernel(v_ptr, out_ptr, N, K, BLOCK: tl.constexpr):
     tie = ok & (bits == t)
     need = K - tl.sum(above.to(tl.int32), axis=0)
     rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1 for the first tie
-    tl.store(out_ptr + i, above | (tie & (rank <= need)), mask=ok)
+    return above | (tie & (rank <= need))
+
+
+@triton.jit
+def top_mask_kernel(v_ptr, out_ptr, N, K, BLOCK: tl.constexpr):
+    """out[i] = v[i] is among the K largest of v[:N] (ties lowest index first); 0 < K <= N."""
+    i = tl.arange(0, BLOCK)
+    ok = i < N
+    v = tl.load(v_ptr + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, top_k_mask(v, ok, K), mask=ok)
 
 
 def top_mask(values: torch.Tensor, k: int) -> torch.Tensor:

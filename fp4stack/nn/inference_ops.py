@@ -3,15 +3,16 @@ MoE experts, so torch.compile sees each as one node (its fake implementation giv
 instead of tracing into Triton launches.
 
     fp4stack::packed_linear(a, data, scale bytes, amax, k, spec, bias?) -> a @ Wᵀ (+ bias)
-    fp4stack::grouped_mlp(x, weights, indices, gate_up, down, ks, w_spec, x_spec, dtype)
-        -> float32 [T, D]
+    fp4stack::grouped_mlp(x, weights, indices, gate_up, down, ks, w_spec, x_spec, dtype,
+                          comp_counts, comp_norms) -> float32 [T, D]
 
 Each runs the Triton kernels (kernels.packed_gemm.packed_linear, kernels.moe_align.grouped_mlp)
 where `kernels_run` says so: CUDA tensors with the Triton backend, or CPU tensors under the
 Triton interpreter when the tests force the fused paths (nn.operands._FUSED_ON_CPU). Elsewhere a
 torch reference with the callers' numerics: the weight dequantized to the GEMM dtype and
 multiplied (the bias rounded to that dtype and added), and the experts one by one, each
-expert's activations quantized with the amax of the rows it receives.
+expert's activations quantized with the amax of the rows it receives (and, with QUADS's
+compensation, its channels of highest residual energy put back to x's values).
 Weights cross the op boundary as their parts (codes, scale bytes, amax; custom-op schemas take
 tensors, not NVFP4Tensor) and their QuantSpec as `ops.spec_key` strings. As api.py does for the
 quantizer, the functions `packed_linear` and `grouped_mlp` skip the op dispatch in eager mode
@@ -31,6 +32,7 @@ from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from ..ops import backend_for, spec_from_key, spec_key
+from .compensation import top_indices
 from .grouped_experts import _rows, combine, sort_pairs
 
 
@@ -100,23 +102,33 @@ def _expert_weight(w, e: int, dtype: torch.dtype) -> Tensor:
                       dtype)
 
 
-def _activations(x: Tensor, spec: QuantSpec | None, dtype: torch.dtype) -> Tensor:
-    # One expert's input rows as its GEMM operand: NVFP4 with those rows' own amax, or FP8.
+def _activations(x: Tensor, spec: QuantSpec | None, dtype: torch.dtype,
+                 compensation: tuple[int, Tensor] | None = None) -> Tensor:
+    # One expert's input rows as its GEMM operand: NVFP4 with those rows' own amax, or FP8;
+    # with compensation (count, that expert's column norms), x~ of nn.compensation.
     if spec is None or spec.format == "none":
         return x.to(dtype)
     spec = replace(spec, nan_policy="propagate")  # no host check, as the kernels
     if spec.format == "fp8":
         return fake_quantize_fp8(x, spec.fp8_granularity, nan_policy="propagate").to(dtype)
-    return fake_quantize(x, spec=spec, dtype=dtype)
+    if compensation is None:
+        return fake_quantize(x, spec=spec, dtype=dtype)
+    count, norms = compensation
+    q = fake_quantize(x, spec=spec)
+    energy = (x - q).float().pow(2).sum(0) * norms
+    channels = top_indices(energy, count)
+    return q.index_copy(1, channels, x[:, channels]).to(dtype)
 
 
 def grouped_mlp(x: Tensor, weights: Tensor, indices: Tensor, gate_up, down,
-                x_spec: QuantSpec | None = None, dtype: torch.dtype | None = None) -> Tensor:
+                x_spec: QuantSpec | None = None, dtype: torch.dtype | None = None,
+                compensation=None) -> Tensor:
     """float32 [T, D]: the SwiGLU experts of x [T, D] routed by weights / indices [T, k], as
     kernels.moe_align.grouped_mlp computes them: gate_up [E, 2I, D] and down [E, D, I] both
     packed stacks (PackedExperts, PackedStack) or both plain tensors, x_spec the activations'
-    spec (None: unquantized), GEMMs in `dtype` (default x's); the op `grouped_mlp_op` under
-    torch.compile."""
+    spec (None: unquantized), GEMMs in `dtype` (default x's); `compensation` None or per
+    projection (channel count, column norms [E, K] of its packed weights): QUADS; the op
+    `grouped_mlp_op` under torch.compile."""
     dtype = dtype or x.dtype
     if torch.compiler.is_compiling():
         def parts(w):
@@ -126,7 +138,10 @@ def grouped_mlp(x: Tensor, weights: Tensor, indices: Tensor, gate_up, down,
 
         (gu, k_gu, w_spec), (dn, k_dn, _) = parts(gate_up), parts(down)
         xs = "" if x_spec is None or x_spec.format == "none" else spec_key(x_spec)
-        return grouped_mlp_op(x, weights, indices, gu, dn, [k_gu, k_dn], w_spec, xs, dtype)
+        counts, norms = ([], []) if compensation is None else (
+            [count for count, _ in compensation], [norms for _, norms in compensation])
+        return grouped_mlp_op(x, weights, indices, gu, dn, [k_gu, k_dn], w_spec, xs, dtype,
+                              counts, norms)
     if kernels_run(x):
         from ..kernels.moe_align import grouped_mlp as kernel
         from ..kernels.packed_gemm import PackedExperts
@@ -136,15 +151,18 @@ def grouped_mlp(x: Tensor, weights: Tensor, indices: Tensor, gate_up, down,
                 w.data, w.scales, w.amax, w.k, w.spec)
 
         return kernel(x, weights, indices, kernel_stack(gate_up), kernel_stack(down), x_spec,
-                      dtype)
+                      dtype, compensation)
     n_experts, top_k = gate_up.shape[0], indices.shape[1]
     order, counts = sort_pairs(indices, n_experts)
     xs = x[order // top_k]
     y = torch.zeros((xs.shape[0], down.shape[1]), dtype=dtype, device=x.device)
+    comp_gu = comp_dn = None
     for e, rows in _rows(counts):
-        gate, up = (_activations(xs[rows], x_spec, dtype)
+        if compensation is not None:  # expert e's count and column norms, per projection
+            comp_gu, comp_dn = ((count, norms[e]) for count, norms in compensation)
+        gate, up = (_activations(xs[rows], x_spec, dtype, comp_gu)
                     @ _expert_weight(gate_up, e, dtype).t()).chunk(2, dim=-1)
-        h = _activations(F.silu(gate) * up, x_spec, dtype)
+        h = _activations(F.silu(gate) * up, x_spec, dtype, comp_dn)
         y[rows] = h @ _expert_weight(down, e, dtype).t()
     return combine(y, weights, order, top_k).float()
 
@@ -152,10 +170,11 @@ def grouped_mlp(x: Tensor, weights: Tensor, indices: Tensor, gate_up, down,
 @torch.library.custom_op("fp4stack::grouped_mlp", mutates_args=())
 def grouped_mlp_op(x: Tensor, weights: Tensor, indices: Tensor, gate_up: list[Tensor],
                    down: list[Tensor], ks: list[int], w_spec: str, x_spec: str,
-                   dtype: torch.dtype) -> Tensor:
+                   dtype: torch.dtype, comp_counts: list[int],
+                   comp_norms: list[Tensor]) -> Tensor:
     """`grouped_mlp` with gate_up / down as [data, scale bytes, amax] of packed stacks (w_spec
     their spec key) or [stack] of plain ones (w_spec ""), ks their K, x_spec a spec key ("":
-    unquantized)."""
+    unquantized), comp_counts / comp_norms the compensation's per projection (empty: none)."""
     def stack(parts, k):
         if not w_spec:
             return parts[0]
@@ -164,10 +183,11 @@ def grouped_mlp_op(x: Tensor, weights: Tensor, indices: Tensor, gate_up: list[Te
                            spec_from_key(w_spec))
 
     spec = spec_from_key(x_spec) if x_spec else None
+    compensation = tuple(zip(comp_counts, comp_norms, strict=True)) or None
     return grouped_mlp(x, weights, indices, stack(gate_up, ks[0]), stack(down, ks[1]), spec,
-                       dtype)
+                       dtype, compensation)
 
 
 @grouped_mlp_op.register_fake
-def _(x, weights, indices, gate_up, down, ks, w_spec, x_spec, dtype):
+def _(x, weights, indices, gate_up, down, ks, w_spec, x_spec, dtype, comp_counts, comp_norms):
     return x.new_empty(x.shape, dtype=torch.float32)

@@ -161,8 +161,16 @@ def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Te
     if cfg is None:
         return packed_inference_linear(x2, recipe, layer.packed_weight, layer.bias, x_amax)
     # As _compensated: Q(x) and the residual in x's dtype, the GEMM in the compute dtype.
-    qx = quantize_operand(x2, _propagating(recipe.x), x_amax)
+    spec = _propagating(recipe.x)
     channels = layer.rc_channels if cfg.mode == "static" else None
+    if channels is None:
+        from ..kernels.compensation import compensated_operand, operand_supported
+
+        if operand_supported(spec, x2.shape[-1]):  # Q(x), the energies and x~ in two launches
+            norms = layer.qweight_column_sq_norms(x2.dtype)
+            a = compensated_operand(x2, spec, cfg.count(x2.shape[-1]), norms, amax=x_amax)
+            return packed_linear(a.to(_compute_dtype(x2)), layer.packed_weight, layer.bias)
+    qx = quantize_operand(x2, spec, x_amax)
     if channels is None:
         from ..kernels.top_mask import top_mask
 
@@ -287,26 +295,8 @@ class QuantLinear(PackedState, nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def qweight_column_sq_norms(self, dtype: torch.dtype) -> torch.Tensor:
         """float32 [K]: ||Q(W)[:, c]||² of the packed weight read in `dtype`, for residual
-        compensation's channel energy. Read from the packed bytes by one kernel and kept while
-        the packed buffers are unchanged (their version counters); recomputed into the same
-        tensor when they change, so a CUDA graph that captured it reads the new norms once
-        `refresh_inference_cache` ran (rollout engines call it after every weight sync)."""
-        from ..kernels.packed_gemm import column_sq_norms
-
-        w = self.packed_weight
-        parts = (w.data, w.scales, w.amax)
-        try:
-            key = (dtype, *((t.data_ptr(), t._version) for t in parts))
-        except RuntimeError:  # inference tensors keep no version counter: no cache
-            return column_sq_norms(w, dtype)
-        cached = vars(self).get("_column_norms")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        norms = column_sq_norms(w, dtype)
-        if cached is not None and cached[0][0] == dtype:
-            norms = cached[1].copy_(norms)
-        vars(self)["_column_norms"] = (key, norms)
-        return norms
+        compensation's channel energy (`PackedState.packed_column_norms`, cached)."""
+        return self.packed_column_norms("weight", dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self.recipe
@@ -349,9 +339,7 @@ class QuantLinear(PackedState, nn.Module):
         engines after a weight sync, since a CUDA-graph replay never runs forward)."""
         if getattr(self, "_fp8_cache", None) is not None:
             self.fp8_weight()
-        norms = vars(self).get("_column_norms")
-        if norms is not None and self.weight is None:
-            self.qweight_column_sq_norms(norms[0][0])
+        self.refresh_column_norms()
 
     def _split_forward(self, x2: torch.Tensor) -> torch.Tensor:
         # SVDQuant's split (lowrank_split.py): y = x Lᵀ + Q(x) Q(W - L)ᵀ, refitted before use

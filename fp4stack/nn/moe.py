@@ -105,10 +105,11 @@ class Experts(nn.Module):
             return F.linear(x, self.down_proj[expert])
         raise ValueError(f"which must be 'gate_up' or 'down', got {which!r}")
 
-    def grouped_operands(self) -> tuple | None:
-        """(gate_up, down, x_spec) for the grouped kernels (`kernels.moe_align.grouped_mlp`), or
-        None where only the per-expert loop computes this module's experts."""
-        return self.gate_up_proj, self.down_proj, None
+    def grouped_operands(self, dtype: torch.dtype | None = None) -> tuple | None:
+        """(gate_up, down, x_spec, compensation) for the grouped kernels
+        (`kernels.moe_align.grouped_mlp`) on activations of `dtype`, or None where only the
+        per-expert loop computes this module's experts."""
+        return self.gate_up_proj, self.down_proj, None, None
 
     def sorted_operands(self) -> tuple | None:
         """((gate_up, down) stacks, recipe, static x_amax [2, E] or None) for the sorted path
@@ -128,13 +129,15 @@ class Experts(nn.Module):
         GEMMs (`grouped_experts`: static shapes, so torch.compile traces it whole); the loop,
         their reference, serves what they do not (calibration, compensation, packed weights)."""
         if fused_inference_ok(x, self, weights):
-            operands = self.grouped_operands()
+            operands = self.grouped_operands(x.dtype)
             if operands is not None:
                 from .inference_ops import grouped_mlp
 
+                gate_up, down, x_spec, compensation = operands
                 dtype = (torch.get_autocast_dtype(x.device.type)
                          if torch.is_autocast_enabled(x.device.type) else x.dtype)
-                return grouped_mlp(x, weights, indices, *operands, dtype=dtype).to(x.dtype)
+                return grouped_mlp(x, weights, indices, gate_up, down, x_spec, dtype,
+                                   compensation).to(x.dtype)
         operands = self.sorted_operands()
         if operands is not None:
             return grouped_forward(x, weights, indices, *operands, act=F.silu)

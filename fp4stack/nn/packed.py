@@ -116,3 +116,34 @@ class PackedState:
             indices = [None] if slot.count is None else range(slot.count)
             for entry, i in zip(slot.entries(), indices, strict=True):
                 yield entry, slot.read(self, i)
+
+    def packed_column_norms(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """float32 ||Q(W)[:, c]||² of the packed tensor `name` read in `dtype`: [K], or [E, K]
+        for a stack (residual compensation's channel energy). Computed from the packed bytes by
+        one kernel and kept while the buffers are unchanged (their version counters); when they
+        change, recomputed into the same tensor, so a CUDA graph that captured it reads the new
+        norms once `refresh_column_norms` ran (rollout engines refresh after every sync)."""
+        from ..kernels.packed_gemm import PackedExperts, column_sq_norms
+
+        slot = self.packed_slots()[name]
+        parts = tuple(getattr(self, key) for key in slot.keys)
+        w = (slot.read(self) if slot.count is None
+             else PackedExperts(*parts, slot.shape[-1], slot.spec))
+        try:
+            key = (dtype, *((t.data_ptr(), t._version) for t in parts))
+        except RuntimeError:  # inference tensors keep no version counter: no cache
+            return column_sq_norms(w, dtype)
+        cache = vars(self).setdefault("_column_norms", {})
+        cached = cache.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        norms = column_sq_norms(w, dtype)
+        if cached is not None and cached[0][0] == dtype:
+            norms = cached[1].copy_(norms)
+        cache[name] = (key, norms)
+        return norms
+
+    def refresh_column_norms(self) -> None:
+        """Bring the cached column norms up to date with the packed buffers."""
+        for name, (key, _) in list(vars(self).get("_column_norms", {}).items()):
+            self.packed_column_norms(name, key[0])

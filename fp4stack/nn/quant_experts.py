@@ -68,15 +68,19 @@ class ExpertQuantization(PackedState):
         data, scales, amax = (getattr(self, key) for key in slot.keys)
         return PackedExperts(data, scales, amax, slot.shape[-1], slot.spec)
 
-    def grouped_operands(self) -> tuple | None:
-        """(gate_up, down, x_spec) for the grouped kernels when the weights are packed and the
-        recipe's activations are unquantized or NVFP4 1x16 round-to-nearest (each expert's rows
-        with their own amax, as the loop); None otherwise (master weights, FP8, stochastic
-        rounding or 16x16 activations), which keeps the per-expert loop."""
+    def grouped_operands(self, dtype: torch.dtype | None = None) -> tuple | None:
+        """(gate_up, down, x_spec, compensation) for the grouped kernels when the weights are
+        packed and the recipe's activations are unquantized or NVFP4 1x16 round-to-nearest (each
+        expert's rows with their own amax, as the loop); with QUADS's residual compensation,
+        per projection its channel count and the experts' column norms read in `dtype` (the
+        activations'). None otherwise (master weights, FP8, stochastic rounding or 16x16
+        activations), which keeps the per-expert loop."""
         if self._calibration is not None or self._static_x_amax():
             return None  # the loop records, or applies, each expert's own activation amax
+        comp = self.recipe.compensation
         if getattr(self, "gate_up_proj", None) is not None:
-            return self._fp8_grouped_operands()
+            return None if comp is not None else self._fp8_grouped_operands()
+        from ..kernels.compensation import operand_supported
         from ..kernels.packed_gemm import rows_fake_quantize_supported
 
         spec = self.recipe.x
@@ -84,7 +88,16 @@ class ExpertQuantization(PackedState):
             spec = None
         elif not rows_fake_quantize_supported(spec):
             return None
-        return self.packed_stack("gate_up"), self.packed_stack("down"), spec
+        compensation = None
+        if comp is not None:
+            slots = self.packed_slots()
+            ks = [slots[proj].shape[-1] for proj in _PROJS]
+            if spec is None or not all(operand_supported(spec, k) for k in ks):
+                return None
+            compensation = tuple((comp.count(k), self.packed_column_norms(proj, dtype or
+                                                                          torch.float32))
+                                 for proj, k in zip(_PROJS, ks, strict=True))
+        return self.packed_stack("gate_up"), self.packed_stack("down"), spec, compensation
 
     def sorted_operands(self) -> tuple | None:
         """Master weights with the recipe's GEMMs (and calibrated static activation amax);
@@ -103,7 +116,7 @@ class ExpertQuantization(PackedState):
         if not all(s is not None and s.format == "fp8" and s.fp8_granularity != "tensor"
                    for s in specs):
             return None
-        return self.fp8_stack("gate_up"), self.fp8_stack("down"), self.recipe.x
+        return self.fp8_stack("gate_up"), self.fp8_stack("down"), self.recipe.x, None
 
     @torch.no_grad()
     def fp8_stack(self, proj: str) -> torch.Tensor:
@@ -125,6 +138,7 @@ class ExpertQuantization(PackedState):
         it: a CUDA-graph replay never runs forward)."""
         for proj in list(vars(self).get("_fp8_stacks", {})):
             self.fp8_stack(proj)
+        self.refresh_column_norms()
 
     def quant_expert_linear(self, x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
         row = _PROJS.index(proj)

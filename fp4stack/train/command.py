@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "attention (slower attention on CUDA; default: the config's)")
     p.add_argument("--compile", nargs="?", const=True, default=None, metavar="MODE",
                    help="the model's forward and backward through torch.compile; MODE a "
-                        "torch.compile mode, e.g. reduce-overhead (CUDA graphs too)")
+                        "torch.compile mode without CUDA graphs (default, "
+                        "max-autotune-no-cudagraphs)")
     p.add_argument("--weight-flips", action="store_true", default=None,
                    help="log how often the NVFP4 forward weights flip, and flip back, from step "
                    "to step (weight_flip_rate, weight_return_rate; default: the config's)")

@@ -54,7 +54,11 @@ DATA_COMMANDS = {
 
 
 # torch.compile's modes, as PretrainConfig.compile names them.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# Modes that replay the compiled forward and backward as CUDA graphs: on an H200 (torch 2.11,
+# 2026-12-03) the backward then read a forward output that the next replay had overwritten, for
+# BF16 as for NVFP4 and with a step mark before every micro-batch, so training refuses them.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -101,7 +105,7 @@ class PretrainConfig:
     # run in BF16 (a precision switch, fp4stack.convert.to_high_precision); 0: none.
     high_precision_tail: float = 0.0
     # The model's training forward (and so its backward) through torch.compile: true, or a
-    # torch.compile mode ("reduce-overhead" also replays CUDA graphs); false: eager.
+    # torch.compile mode without CUDA graphs (COMPILE_MODES); false: eager.
     compile: bool | str = False
 
     def __post_init__(self) -> None:
@@ -158,6 +162,10 @@ class PretrainConfig:
         for name in ("data", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
+        if self.compile in CUDA_GRAPH_MODES:
+            raise ValueError(f"compile: {self.compile} replays the training step as CUDA graphs, "
+                             "whose backward read overwritten forward outputs on the H200 "
+                             "(torch 2.11); use compile: true, or max-autotune-no-cudagraphs")
         if self.compile not in (False, True, *COMPILE_MODES):
             raise ValueError(f"compile must be true, false or a torch.compile mode "
                              f"{list(COMPILE_MODES)}, got {self.compile!r}")

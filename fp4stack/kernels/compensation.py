@@ -1,0 +1,182 @@
+"""QUADS's GEMM operand on the device, for a dense layer or every expert of a grouped MoE at once:
+
+    y = Q(x) Q(W)ᵀ + (x - Q(x))[:, C] Q(W)[:, C]ᵀ = x~ Q(W)ᵀ,
+
+x~ being Q(x) with the compensated channels C put back to x's own values. Two launches after the
+amax, no host sync, static shapes (CUDA-graph capturable):
+
+1. `quantize_energy_kernel`, a program per (group, block of columns): it walks the group's rows
+   (the layer's, or one expert's token-expert pairs in moe_align's tiles), writes Q(x) and sums
+   the squared residual (x - Q(x), rounded to x's dtype, squared in float32) over the rows, then
+   multiplies by ||Q(W)[:, c]||²: `nn.compensation.channel_energy`.
+2. `select_kernel`, a program per tile of rows: its group's count channels of highest energy
+   (`top_mask`'s rule: ties lowest index first), and x written over Q(x) at those channels.
+
+Q(x) is the reference quantizer's bit for bit (1x16 blocks, round to nearest, Four Over Six
+allowed; one amax per group, imposed, or per row). The energy sums a tile's rows as a tree and the
+tiles in order, where torch's `sum(0)` has its own order: the two can differ in the last bits,
+which moves a channel only where two energies tie to that rounding (at one row they are equal).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.spec import QuantSpec
+from . import cdiv
+from .nvfp4 import _amax, _launch_options
+from .nvfp4_jit import cast_rne, load_halves
+from .packed_gemm import rows_fake_quantize_supported
+from .packed_gemm_jit import fake_quantize_halves
+from .top_mask import MAX_LENGTH, top_k_mask
+
+DENSE_TILE = 16  # rows a dense layer's programs take at once
+ENERGY_BLOCKS = 4  # 16-column blocks a quantize_energy program covers
+
+
+@triton.jit
+def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, norms_ptr, q_ptr, energy_ptr,
+                           R, K, sxm, DIV, N_TILES,
+                           TILE: tl.constexpr, KB: tl.constexpr, SORTED: tl.constexpr,
+                           ROW_AMAX: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+                           SCALE_MAX: tl.constexpr):
+    """q[r] = fake_quantize(x[r // DIV]) for the rows r of group g = program_id(0), and
+    energy[g, c] = sum_r (x - q)[r, c]² * norms[g, c] over the columns of program_id(1).
+    SORTED: the group's rows are rows_ptr[t * TILE ...] for its tiles tiles_ptr[g] ..
+    tiles_ptr[g + 1] (R marks padding); else rows 0 .. R in N_TILES tiles. The amax is
+    amax[r // DIV] (ROW_AMAX) or amax[g]."""
+    g = tl.program_id(0)
+    kbs = tl.program_id(1) * KB + tl.arange(0, KB)
+    if SORTED:
+        t0 = tl.load(tiles_ptr + g)
+        t1 = tl.load(tiles_ptr + g + 1)
+    else:
+        t0 = 0
+        t1 = N_TILES
+    col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    sources = tl.cdiv(R, DIV)
+    acc_lo = tl.zeros((KB, 8), dtype=tl.float32)
+    acc_hi = tl.zeros((KB, 8), dtype=tl.float32)
+    for t in range(t0, t1):
+        slot = t * TILE + tl.arange(0, TILE)
+        if SORTED:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+            rows = tl.load(rows_ptr + slot)
+        else:
+            rows = slot
+        ok = rows < R
+        src = tl.where(ok, rows // DIV, sources)  # padding reads nothing
+        lo, hi, mask_lo, mask_hi = load_halves(x_ptr, tl.program_id(2), src, kbs, sources, K,
+                                               0, sxm, 1, False, 0)
+        if ROW_AMAX:
+            amax = tl.load(amax_ptr + src, mask=ok, other=1.0)
+        else:
+            amax = tl.load(amax_ptr + g + tl.zeros((TILE,), tl.int32))
+        q_lo, q_hi = fake_quantize_halves(lo, hi, amax, FOUR_OVER_SIX, SCALE_MAX)
+        q_lo = cast_rne(q_lo, q_ptr)
+        q_hi = cast_rne(q_hi, q_ptr)
+        base = q_ptr + rows.to(tl.int64)[:, None, None] * K
+        tl.store(base + col_lo, q_lo, mask=mask_lo)
+        tl.store(base + col_lo + 8, q_hi, mask=mask_hi)
+        # The residual in x's dtype (torch's x - Q(x)), then float32 squares.
+        r_lo = cast_rne(lo - q_lo.to(tl.float32), q_ptr).to(tl.float32)
+        r_hi = cast_rne(hi - q_hi.to(tl.float32), q_ptr).to(tl.float32)
+        acc_lo += tl.sum(tl.where(mask_lo, r_lo * r_lo, 0.0), axis=0)
+        acc_hi += tl.sum(tl.where(mask_hi, r_hi * r_hi, 0.0), axis=0)
+    cols = kbs[:, None] * 16 + tl.arange(0, 8)[None, :]
+    out = g.to(tl.int64) * K + cols
+    n_lo = tl.load(norms_ptr + out, mask=cols < K, other=0.0)
+    n_hi = tl.load(norms_ptr + out + 8, mask=cols + 8 < K, other=0.0)
+    tl.store(energy_ptr + out, acc_lo * n_lo, mask=cols < K)
+    tl.store(energy_ptr + out + 8, acc_hi * n_hi, mask=cols + 8 < K)
+
+
+@triton.jit
+def select_kernel(energy_ptr, x_ptr, q_ptr, rows_ptr, tile_group_ptr, R, K, sxm, DIV, COUNT,
+                  TILE: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
+    """For the rows of tile program_id(0) (group tile_group[t] if SORTED, else 0; -1: none):
+    q[r, c] = x[r // DIV, c] at the COUNT columns c of the group's highest energy."""
+    t = tl.program_id(0)
+    if SORTED:  # noqa: SIM108
+        g = tl.load(tile_group_ptr + t)
+    else:
+        g = t * 0
+    cols = tl.arange(0, BLOCK)
+    ok = cols < tl.where(g >= 0, K, 0)  # an unused tile (-1) chooses nothing
+    v = tl.load(energy_ptr + g.to(tl.int64) * K + cols, mask=ok, other=0.0)
+    chosen = top_k_mask(v, ok, COUNT)
+    for i in range(TILE):
+        slot = t * TILE + i
+        if SORTED:  # noqa: SIM108
+            row = tl.load(rows_ptr + slot)
+        else:
+            row = slot
+        m = chosen & (cols * 0 + row < R)
+        xv = tl.load(x_ptr + (row // DIV).to(tl.int64) * sxm + cols, mask=m)
+        tl.store(q_ptr + row.to(tl.int64) * K + cols, xv, mask=m)
+
+
+def operand_supported(spec: QuantSpec, k: int) -> bool:
+    """Whether `compensated_operand` computes x~ for activations of spec `spec` and K = k:
+    NVFP4 1x16 round-to-nearest (Four Over Six and per-row amax allowed), K up to MAX_LENGTH."""
+    return rows_fake_quantize_supported(spec) and 0 < k <= MAX_LENGTH
+
+
+def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: torch.Tensor, *,
+                        amax: torch.Tensor | None = None, alignment=None,
+                        row_div: int = 1) -> torch.Tensor:
+    """x~ in x's dtype (see the module doc), no host sync.
+
+    Dense (alignment None): x [M, K] is one group; norms [K] = ||Q(W)[:, c]||²; amax an imposed
+    0-d global amax (a static activation amax) or None (x's own: the tensor's, or each row's for
+    a row-scaled spec). Returns [M, K].
+    Grouped: `alignment` (moe_align.Alignment) puts the token-expert pairs p in tiles by expert;
+    pair p reads x[p // row_div]; norms [E, K] per expert; amax [E] each expert's over its rows,
+    or None for a row-scaled spec (each row's own). Returns [pairs, K] in pair order.
+    """
+    if not operand_supported(spec, x.shape[-1]):
+        raise ValueError(f"compensated_operand: spec {spec} with K={x.shape[-1]} is not "
+                         f"supported; it takes NVFP4 1x16 round-to-nearest specs, K <= "
+                         f"{MAX_LENGTH}")
+    k = x.shape[-1]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if spec.row_scaled:
+        if amax is not None:
+            raise ValueError("compensated_operand: a row-scaled spec takes each row's own amax; "
+                             "pass amax=None")
+        amax = _amax(x.reshape(1, -1, k), spec)
+    elif amax is None:
+        if alignment is not None:
+            raise ValueError("compensated_operand: grouped rows need each expert's amax")
+        amax = _amax(x.reshape(1, -1, k), spec)
+    amax = amax.to(torch.float32).contiguous()
+    sorted_ = alignment is not None
+    if sorted_:
+        rows, tiles, groups = alignment.pairs, alignment.expert_tiles, alignment.tile_expert
+        sorted_rows, tile, n_tiles = alignment.sorted_rows, alignment.block_m, groups.numel()
+        n_groups = norms.shape[0]
+    else:
+        rows, tile = x.shape[0], DENSE_TILE
+        n_tiles, n_groups = cdiv(rows, tile), 1
+        sorted_rows = tiles = groups = amax  # not read
+    q = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return q
+    energy = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
+    kb = ENERGY_BLOCKS
+    quantize_energy_kernel[(n_groups, cdiv(cdiv(k, 16), kb))](
+        x, amax, sorted_rows, tiles, norms.contiguous(), q, energy, rows, k, x.stride(0),
+        row_div, n_tiles, TILE=tile, KB=kb, SORTED=sorted_, ROW_AMAX=spec.row_scaled,
+        FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, num_warps=4,
+        **_launch_options(),
+    )
+    if count <= 0:
+        return q
+    block = triton.next_power_of_2(k)
+    select_kernel[(n_tiles,)](
+        energy, x, q, sorted_rows, groups, rows, k, x.stride(0), row_div, min(count, k),
+        TILE=tile, BLOCK=block, SORTED=sorted_, num_warps=min(16, max(4, block // 1024)),
+        **_launch_options(),
+    )
+    return q

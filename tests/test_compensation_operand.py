@@ -1,0 +1,107 @@
+"""kernels.compensation (QUADS's operand x~ in two launches) against its definition in torch:
+Q(x) by the reference quantizer, the channel energy of nn.compensation, the k channels of highest
+energy (ties lowest index first), x put back there. Dense layers and the grouped MoE's pairs
+(each expert's amax, energies and channels over the rows it receives).
+
+On CPU the kernels run under the Triton interpreter; on a GPU compiled. Random activations
+leave no energies tied to the last bit, so the masks, and with them x~, are compared exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4stack import QuantSpec, fake_quantize
+from fp4stack.nn.compensation import top_indices
+
+pytest.importorskip("triton")
+from fp4stack.kernels import moe_align  # noqa: E402
+from fp4stack.kernels.compensation import (  # noqa: E402
+    DENSE_TILE,
+    compensated_operand,
+    operand_supported,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPECS = {
+    "tensor": QuantSpec(nan_policy="propagate"),
+    "row": QuantSpec(nan_policy="propagate", global_scale="row"),
+    "4over6": QuantSpec(nan_policy="propagate", four_over_six=True),
+}
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-1, 1, k)[torch.randperm(k, generator=g)]  # outlier channels
+    return (torch.randn(m, k, generator=g) * scale).to(DEVICE, dtype)
+
+
+def x_tilde(x, spec, count, norms, amax=None):
+    """The definition: x~ = Q(x) with the `count` channels of highest energy set to x."""
+    q = fake_quantize(x, spec=spec, amax=amax)
+    energy = (x - q).float().pow(2).sum(0) * norms
+    channels = top_indices(energy, count)
+    return q.index_copy(1, channels, x[:, channels])
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 80), (DENSE_TILE + 3, 40), (40, 48)])
+def test_dense_operand_is_the_definition(spec, dtype, m, k):
+    x = activations(m, k, dtype, seed=m + k)
+    norms = torch.rand(k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    for count in (1, 5, k - 1):
+        got = compensated_operand(x, SPECS[spec], count, norms)
+        assert got.dtype == dtype and got.shape == (m, k)
+        assert torch.equal(got, x_tilde(x, SPECS[spec], count, norms))
+
+
+def test_dense_edges():
+    spec = SPECS["tensor"]
+    x = activations(7, 64, torch.float32)
+    norms = torch.rand(64, device=DEVICE)
+    assert torch.equal(compensated_operand(x, spec, 64, norms), x)  # every channel: x itself
+    assert torch.equal(compensated_operand(x, spec, 0, norms), fake_quantize(x, spec=spec))
+    amax = torch.tensor(3.0 * x.abs().max().item(), device=DEVICE)  # a static activation amax
+    assert torch.equal(compensated_operand(x, spec, 4, norms, amax=amax),
+                       x_tilde(x, spec, 4, norms, amax=amax))
+    # A channel whose weight column is zero has no energy: never chosen before the others.
+    norms[:60] = 0.0
+    got = compensated_operand(x, spec, 4, norms)
+    assert torch.equal(got[:, 60:], x[:, 60:])
+    assert torch.equal(got[:, :60], fake_quantize(x, spec=spec)[:, :60])
+    with pytest.raises(ValueError, match="row-scaled"):
+        compensated_operand(x, SPECS["row"], 4, norms, amax=amax)
+    assert not operand_supported(QuantSpec(rounding="stochastic"), 64)
+    assert not operand_supported(QuantSpec(block=(16, 16)), 64)
+    with pytest.raises(ValueError, match="not supported"):
+        compensated_operand(x, QuantSpec(hadamard=True), 4, norms)
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_grouped_operand_is_each_experts_definition(spec, dtype, block_m):
+    t, top_k, n_experts, k = 13, 2, 5, 48
+    g = torch.Generator().manual_seed(block_m)
+    logits = torch.randn(t, n_experts, generator=g)
+    logits[:, 3] = -1e9  # an expert that receives no token
+    indices = logits.topk(top_k, dim=-1).indices.to(DEVICE)
+    x = activations(t, k, dtype, seed=3)
+    norms = torch.rand(n_experts, k, generator=g).to(DEVICE)
+    al = moe_align.align_pairs(indices, n_experts, block_m)
+    groups = indices.reshape(-1)
+    s = SPECS[spec]
+    amax = None if s.row_scaled else moe_align.group_amax(x, top_k, groups, n_experts)
+    got = compensated_operand(x, s, 6, norms, amax=amax, alignment=al, row_div=top_k)
+    assert got.shape == (t * top_k, k) and got.dtype == dtype
+    pairs_x = x.repeat_interleave(top_k, dim=0)  # pair p reads x[p // top_k]
+    for e in range(n_experts):
+        mine = (groups == e).nonzero().flatten()
+        if not mine.numel():
+            continue
+        rows = pairs_x[mine]
+        want = x_tilde(rows, s, 6, norms[e], amax=None if s.row_scaled else amax[e])
+        assert torch.equal(got[mine], want), e

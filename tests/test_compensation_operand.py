@@ -105,3 +105,15 @@ def test_grouped_operand_is_each_experts_definition(spec, dtype, block_m):
         rows = pairs_x[mine]
         want = x_tilde(rows, s, 6, norms[e], amax=None if s.row_scaled else amax[e])
         assert torch.equal(got[mine], want), e
+
+
+@pytest.mark.parametrize("spec", ["tensor", "row"])
+def test_siblings_share_one_quantization_and_choose_their_own_channels(spec):
+    # q/k/v of one input: one Q(x) and one residual sum, an x~ per sibling by its own norms.
+    x = activations(DENSE_TILE + 2, 64, torch.bfloat16, seed=9)
+    norms = torch.rand(3, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = compensated_operand(x, SPECS[spec], 5, norms)
+    assert got.shape == (3, DENSE_TILE + 2, 64)
+    for j in range(3):
+        assert torch.equal(got[j], x_tilde(x, SPECS[spec], 5, norms[j]))
+    assert not torch.equal(got[0], got[1])  # other norms, other channels

@@ -21,6 +21,7 @@ from fp4stack.formats.spec import QuantSpec
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn import operands as operands_mod
 from fp4stack.nn.fused_projections import FusedProjection, fuse_projections, project
+from fp4stack.nn.recipe_types import ResidualCompensation
 from fp4stack.rl.fast_rollout import FastRolloutEngine
 from fp4stack.rl.rollout import RolloutEngine
 
@@ -39,7 +40,7 @@ def tokens() -> torch.Tensor:
 
 
 def packed(model: GPT, name: str = "w4a4") -> GPT:
-    rec = recipe("w4a4")
+    rec = recipe("w4a4") if name == "w4a16" else recipe(name)
     if name == "w4a16":
         rec = rec.with_(x=QuantSpec(format="none"))
     quantize_model(model, rec)  # packs q/k/v and gate/up each with one shared global amax
@@ -93,12 +94,14 @@ def test_no_fusion_under_gradients_or_for_groups_that_differ(monkeypatch):
     assert project(x, mlp.up_proj, mlp.gate_proj)[0].shape[-1] == mlp.up_proj.out_features
     assert calls == [1]  # not the fused members' order
     quads = gpt()
-    quantize_model(quads, "w4a4-rc")  # compensation picks channels per member: not fusable
+    static = recipe("w4a4-rc").with_(compensation=ResidualCompensation(mode="static"))
+    quantize_model(quads, static)  # each member's own calibrated channels: not fused
     assert fuse_projections(quads) == 0
 
 
-@pytest.mark.parametrize("name", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("name", ["w4a4", "w4a16", "w4a4-rc", "w4a4-rc-token"])
 def test_packed_groups_match_the_unfused_layers(name, monkeypatch):
+    # QUADS too: one x~ per member (its own channels) in one GEMM, as each member alone.
     monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
     model, x = packed(gpt().to(DEVICE), name), tokens().to(DEVICE)
     with torch.no_grad():
@@ -113,7 +116,7 @@ def test_packed_groups_match_the_unfused_layers(name, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4", "quads"])
 def test_fast_engine_with_fused_projections_decodes_as_the_reference(precision, monkeypatch):
     monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
     base = gpt(moe=precision == "bf16").to(DEVICE)

@@ -64,8 +64,14 @@ def test_packed_linear_op_is_the_layers_reference_gemm(kernels, dtype):
     w, x = layer.packed_weight, randn(7, 80, seed=1, dtype=dtype)
     a = fake_quantize(x, spec=layer.recipe.x)  # the layer's activation operand
     args = (a, w.data, w.scales.view(torch.uint8), w.amax, 80, ops.spec_key(w.spec),
-            layer.bias.detach())
+            layer.bias.detach(), [])
     torch.library.opcheck(inference_ops.packed_linear_op, args)
+    # Two siblings' rows (32 + 16), an operand each (fused QUADS projections).
+    pair = (torch.stack([a, a.flip(0)]), *args[1:-1], [32, 16])
+    torch.library.opcheck(inference_ops.packed_linear_op, pair)
+    y2 = inference_ops.packed_linear_op(*pair)
+    y1 = inference_ops.packed_linear_op(a.flip(0), *args[1:])
+    assert torch.equal(y2[:, 32:], y1[:, 32:])
     got = inference_ops.packed_linear_op(*args)
     with torch.no_grad():  # what a packed layer computes off the fused path
         want = layer._reference_forward(x)

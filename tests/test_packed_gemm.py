@@ -117,6 +117,24 @@ def test_table_configs_bit_exact(config):
         assert torch.equal(bits(got), bits(expected(a, t)))
 
 
+@pytest.mark.parametrize("sizes", [(32, 16, 16), (16, 32), (20, 12, 16)])
+@pytest.mark.parametrize("config", ["dot", "gemv-split3"])
+def test_segments_read_one_operand_per_sibling_bit_exact(sizes, config):
+    # Siblings' rows side by side, each multiplied by its own operand: in one launch when the
+    # boundaries are whole tiles of block_n (16 here), else one launch per sibling (20, 12).
+    n, k = sum(sizes), 80
+    t = quantized(grid_weight(n, k, seed=5), QuantSpec(), amax=2688.0)
+    bias = torch.randn(n).to(DEVICE)
+    a = torch.stack([small_ints(5, k, seed=j) for j in range(len(sizes))]).to(DEVICE)
+    got = pg.packed_linear(a, t, bias, config=SMALL[config], segments=sizes)
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    want = torch.cat([expected(a[j], t, bias)[:, e - size:e]
+                      for j, (size, e) in enumerate(zip(sizes, ends, strict=True))], dim=1)
+    assert torch.equal(bits(got), bits(want))
+    with pytest.raises(ValueError, match="segments"):
+        pg.packed_linear(a, t, segments=(n,))
+
+
 def test_k_not_a_multiple_of_16_and_fp16():
     # K = 70 leaves 10 padded columns in the last block, which must not reach the sums.
     n, k = 20, 70

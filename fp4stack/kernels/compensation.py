@@ -6,11 +6,14 @@ x~ being Q(x) with the compensated channels C put back to x's own values. Two la
 amax, no host sync, static shapes (CUDA-graph capturable):
 
 1. `quantize_energy_kernel`, a program per (group, block of columns): it walks the group's rows
-   (the layer's, or one expert's token-expert pairs in moe_align's tiles), writes Q(x) and sums
-   the squared residual (x - Q(x), rounded to x's dtype, squared in float32) over the rows, then
-   multiplies by ||Q(W)[:, c]||²: `nn.compensation.channel_energy`.
-2. `select_kernel`, a program per tile of rows: its group's count channels of highest energy
-   (`top_mask`'s rule: ties lowest index first), and x written over Q(x) at those channels.
+   (the layer's, or one expert's token-expert pairs in moe_align's tiles), writes Q(x) (into
+   each of J outputs) and sums the squared residual (x - Q(x), rounded to x's dtype, squared in
+   float32) over the rows.
+2. `select_kernel`, a program per (tile of rows, output j): the energies, those sums times
+   ||Q(W_j)[:, c]||² (`nn.compensation.channel_energy`), its group's count channels of highest
+   energy (`top_mask`'s rule: ties lowest index first), and x written over Q(x) there.
+J > 1 serves sibling layers of one input (q/k/v, gate/up): one Q(x) and one residual sum, a
+channel choice and an x~ per sibling, each by its own weight's norms.
 
 Q(x) is the reference quantizer's bit for bit (1x16 blocks, round to nearest, Four Over Six
 allowed; one amax per group, imposed, or per row). The energy sums a tile's rows as a tree and the
@@ -37,13 +40,14 @@ ENERGY_BLOCKS = 4  # 16-column blocks a quantize_energy program covers
 
 
 @triton.jit
-def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, norms_ptr, q_ptr, energy_ptr,
-                           R, K, sxm, DIV, N_TILES,
+def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr,
+                           R, K, sxm, DIV, N_TILES, J, QS,
                            TILE: tl.constexpr, KB: tl.constexpr, SORTED: tl.constexpr,
                            ROW_AMAX: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
                            SCALE_MAX: tl.constexpr):
-    """q[r] = fake_quantize(x[r // DIV]) for the rows r of group g = program_id(0), and
-    energy[g, c] = sum_r (x - q)[r, c]² * norms[g, c] over the columns of program_id(1).
+    """q[j, r] = fake_quantize(x[r // DIV]) (j < J) for the rows r of group g = program_id(0),
+    and sums[g, c] = sum_r (x - q)[r, c]² over the columns of program_id(1); output j starts
+    QS elements after output j - 1.
     SORTED: the group's rows are rows_ptr[t * TILE ...] for its tiles tiles_ptr[g] ..
     tiles_ptr[g + 1] (R marks padding); else rows 0 .. R in N_TILES tiles. The amax is
     amax[r // DIV] (ROW_AMAX) or amax[g]."""
@@ -77,8 +81,10 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, norms_ptr, q_pt
         q_lo = cast_rne(q_lo, q_ptr)
         q_hi = cast_rne(q_hi, q_ptr)
         base = q_ptr + rows.to(tl.int64)[:, None, None] * K
-        tl.store(base + col_lo, q_lo, mask=mask_lo)
-        tl.store(base + col_lo + 8, q_hi, mask=mask_hi)
+        for j in range(J):  # an output per sibling, each to get its own channels back
+            out = base + j * QS
+            tl.store(out + col_lo, q_lo, mask=mask_lo)
+            tl.store(out + col_lo + 8, q_hi, mask=mask_hi)
         # The residual in x's dtype (torch's x - Q(x)), then float32 squares.
         r_lo = cast_rne(lo - q_lo.to(tl.float32), q_ptr).to(tl.float32)
         r_hi = cast_rne(hi - q_hi.to(tl.float32), q_ptr).to(tl.float32)
@@ -86,26 +92,29 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, norms_ptr, q_pt
         acc_hi += tl.sum(tl.where(mask_hi, r_hi * r_hi, 0.0), axis=0)
     cols = kbs[:, None] * 16 + tl.arange(0, 8)[None, :]
     out = g.to(tl.int64) * K + cols
-    n_lo = tl.load(norms_ptr + out, mask=cols < K, other=0.0)
-    n_hi = tl.load(norms_ptr + out + 8, mask=cols + 8 < K, other=0.0)
-    tl.store(energy_ptr + out, acc_lo * n_lo, mask=cols < K)
-    tl.store(energy_ptr + out + 8, acc_hi * n_hi, mask=cols + 8 < K)
+    tl.store(sums_ptr + out, acc_lo, mask=cols < K)
+    tl.store(sums_ptr + out + 8, acc_hi, mask=cols + 8 < K)
 
 
 @triton.jit
-def select_kernel(energy_ptr, x_ptr, q_ptr, rows_ptr, tile_group_ptr, R, K, sxm, DIV, COUNT,
-                  TILE: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
-    """For the rows of tile program_id(0) (group tile_group[t] if SORTED, else 0; -1: none):
-    q[r, c] = x[r // DIV, c] at the COUNT columns c of the group's highest energy."""
+def select_kernel(sums_ptr, norms_ptr, x_ptr, q_ptr, rows_ptr, tile_group_ptr, R, K, sxm, DIV,
+                  COUNT, G, QS, TILE: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
+    """For the rows of tile program_id(0) (group tile_group[t] if SORTED, else 0; -1: none) and
+    output j = program_id(1): q[j, r, c] = x[r // DIV, c] at the COUNT columns c of highest
+    energy sums[g, c] * norms[j, g, c]."""
     t = tl.program_id(0)
+    j = tl.program_id(1)
     if SORTED:  # noqa: SIM108
         g = tl.load(tile_group_ptr + t)
     else:
         g = t * 0
     cols = tl.arange(0, BLOCK)
     ok = cols < tl.where(g >= 0, K, 0)  # an unused tile (-1) chooses nothing
-    v = tl.load(energy_ptr + g.to(tl.int64) * K + cols, mask=ok, other=0.0)
+    row_g = g.to(tl.int64) * K + cols
+    v = (tl.load(sums_ptr + row_g, mask=ok, other=0.0)
+         * tl.load(norms_ptr + (j * G).to(tl.int64) * K + row_g, mask=ok, other=0.0))
     chosen = top_k_mask(v, ok, COUNT)
+    q_ptr += j * QS
     for i in range(TILE):
         slot = t * TILE + i
         if SORTED:  # noqa: SIM108
@@ -128,18 +137,18 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: tor
                         row_div: int = 1) -> torch.Tensor:
     """x~ in x's dtype (see the module doc), no host sync.
 
-    Dense (alignment None): x [M, K] is one group; norms [K] = ||Q(W)[:, c]||²; amax an imposed
-    0-d global amax (a static activation amax) or None (x's own: the tensor's, or each row's for
-    a row-scaled spec). Returns [M, K].
+    Dense (alignment None): x [M, K] is one group; norms [K] = ||Q(W)[:, c]||², or [J, K] for J
+    sibling weights of this input (then the result is [J, M, K], an x~ per sibling); amax an
+    imposed 0-d global amax (a static activation amax) or None (x's own: the tensor's, or each
+    row's for a row-scaled spec). Returns [M, K].
     Grouped: `alignment` (moe_align.Alignment) puts the token-expert pairs p in tiles by expert;
     pair p reads x[p // row_div]; norms [E, K] per expert; amax [E] each expert's over its rows,
     or None for a row-scaled spec (each row's own). Returns [pairs, K] in pair order.
     """
-    if not operand_supported(spec, x.shape[-1]):
-        raise ValueError(f"compensated_operand: spec {spec} with K={x.shape[-1]} is not "
-                         f"supported; it takes NVFP4 1x16 round-to-nearest specs, K <= "
-                         f"{MAX_LENGTH}")
     k = x.shape[-1]
+    if not operand_supported(spec, k):
+        raise ValueError(f"compensated_operand: spec {spec} with K={k} is not supported; it "
+                         f"takes NVFP4 1x16 round-to-nearest specs, K <= {MAX_LENGTH}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     if spec.row_scaled:
         if amax is not None:
@@ -152,31 +161,36 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: tor
         amax = _amax(x.reshape(1, -1, k), spec)
     amax = amax.to(torch.float32).contiguous()
     sorted_ = alignment is not None
+    siblings = not sorted_ and norms.dim() == 2
     if sorted_:
         rows, tiles, groups = alignment.pairs, alignment.expert_tiles, alignment.tile_expert
         sorted_rows, tile, n_tiles = alignment.sorted_rows, alignment.block_m, groups.numel()
-        n_groups = norms.shape[0]
+        n_groups, outputs = norms.shape[0], 1
     else:
         rows, tile = x.shape[0], DENSE_TILE
         n_tiles, n_groups = cdiv(rows, tile), 1
+        outputs = norms.shape[0] if siblings else 1
         sorted_rows = tiles = groups = amax  # not read
-    q = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    if outputs * rows * k >= 1 << 31:
+        raise ValueError(f"compensated_operand: {outputs} x [{rows}, {k}] outputs are past the "
+                         "kernels' 32-bit offsets; split the rows")
+    q = torch.empty((outputs, rows, k), dtype=x.dtype, device=x.device)
+    shape = q.shape if siblings else q.shape[1:]
     if rows == 0:
-        return q
-    energy = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
+        return q.reshape(shape)
+    sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
     kb = ENERGY_BLOCKS
     quantize_energy_kernel[(n_groups, cdiv(cdiv(k, 16), kb))](
-        x, amax, sorted_rows, tiles, norms.contiguous(), q, energy, rows, k, x.stride(0),
-        row_div, n_tiles, TILE=tile, KB=kb, SORTED=sorted_, ROW_AMAX=spec.row_scaled,
+        x, amax, sorted_rows, tiles, q, sums, rows, k, x.stride(0), row_div, n_tiles, outputs,
+        rows * k, TILE=tile, KB=kb, SORTED=sorted_, ROW_AMAX=spec.row_scaled,
         FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, num_warps=4,
         **_launch_options(),
     )
-    if count <= 0:
-        return q
-    block = triton.next_power_of_2(k)
-    select_kernel[(n_tiles,)](
-        energy, x, q, sorted_rows, groups, rows, k, x.stride(0), row_div, min(count, k),
-        TILE=tile, BLOCK=block, SORTED=sorted_, num_warps=min(16, max(4, block // 1024)),
-        **_launch_options(),
-    )
-    return q
+    if count > 0:
+        block = triton.next_power_of_2(k)
+        select_kernel[(n_tiles, outputs)](
+            sums, norms.contiguous(), x, q, sorted_rows, groups, rows, k, x.stride(0), row_div,
+            min(count, k), n_groups, rows * k, TILE=tile, BLOCK=block, SORTED=sorted_,
+            num_warps=min(16, max(4, block // 1024)), **_launch_options(),
+        )
+    return q.reshape(shape)

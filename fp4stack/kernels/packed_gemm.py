@@ -178,8 +178,13 @@ def _exact(k: int) -> dict:
 
 
 def packed_linear(a: torch.Tensor, w: NVFP4Tensor | torch.Tensor, bias: torch.Tensor | None = None,
-                  *, config: GemmConfig | None = None) -> torch.Tensor:
+                  *, config: GemmConfig | None = None,
+                  segments: tuple[int, ...] = ()) -> torch.Tensor:
     """y [M, N] = a @ Wᵀ (+ bias) in a.dtype for a [M, K] (fp32, bf16 or fp16).
+
+    segments (N_1, .., N_J summing to N, J <= 3): W's rows are J sibling layers and a is
+    [J, M, K], one operand each: y[:, rows of j] = a[j] @ W_jᵀ, in one launch when every
+    boundary is a multiple of the tile's block_n, else one launch per sibling.
 
     W is an NVFP4Tensor [N, K] (1x16 blocks or 16x16 tiles, no Hadamard), whose values are
     exactly `fp4stack.dequantize(w, a.dtype)`, built in registers from the packed codes and
@@ -188,6 +193,36 @@ def packed_linear(a: torch.Tensor, w: NVFP4Tensor | torch.Tensor, bias: torch.Te
     adds it (rounded to a.dtype, added in float32, rounded again). Deterministic: split-K
     partial sums are added in a fixed order by a second launch, no atomics.
     """
+    if segments:
+        return _segmented(a, w, bias, config, segments)
+    return _dense(a, w, bias, config)
+
+
+def _segmented(a, w, bias, config, segments):
+    n = w.shape[0]
+    if not 1 <= len(segments) <= 3 or sum(segments) != n or a.dim() != 3 or (
+            a.shape[0] != len(segments)):
+        raise ValueError(f"packed_linear: segments {segments} must be 1 to 3 sizes summing to "
+                         f"the weight's {n} rows, with a [J, M, K] of one operand each; got a "
+                         f"{tuple(a.shape)}")
+    cfg = config or choose_config(a.shape[1], n, a.shape[2], a.device, a.dtype)[0]
+    starts = [sum(segments[:j]) for j in range(1, len(segments))]
+    if all(b % cfg.block_n == 0 for b in starts):  # no tile straddles two siblings
+        a = a.contiguous()
+        return _dense(a[0], w, bias, config, a, (*starts, n, n)[:2])
+    outs, r0 = [], 0
+    for j, rows in enumerate(segments):
+        wj = (NVFP4Tensor(w.data[r0:r0 + rows], w.scales[r0:r0 + rows], w.amax,
+                          torch.Size((rows, w.shape[1])), w.spec)
+              if isinstance(w, NVFP4Tensor) else w[r0:r0 + rows])
+        outs.append(_dense(a[j], wj, None if bias is None else bias[r0:r0 + rows], config))
+        r0 += rows
+    return torch.cat(outs, dim=1)
+
+
+def _dense(a, w, bias, config, a_segments=None, a_bounds=None):
+    """packed_linear's launch; a_segments [J, M, K] (a its first) with the rows a_bounds at
+    which the next operand starts: the fused siblings' GEMM."""
     packed = isinstance(w, NVFP4Tensor)
     if packed:
         if len(w.shape) != 2:
@@ -218,12 +253,13 @@ def packed_linear(a: torch.Tensor, w: NVFP4Tensor | torch.Tensor, bias: torch.Te
     part = (torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1
             else out)
     grid = (cdiv(m, bm), cdiv(n, cfg.block_n), split)
+    seg_stride, bounds = (a_segments.stride(0), a_bounds) if a_segments is not None else (0, (n, n))
     jit.gemm_kernel[grid](
-        a, wd, ws, amax, b, out, part, out, out,
-        m, n, k, kp, a.stride(0), 0, 0 if packed else wd.stride(0), 1,
+        a if a_segments is None else a_segments, wd, ws, amax, b, out, part, out, out,
+        m, n, k, kp, a.stride(0), 0, 0 if packed else wd.stride(0), 1, seg_stride, *bounds,
         BM=bm, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, W_PACKED=packed,
         USE_DOT=cfg.dot, SWAP_AB=cfg.swap_ab, GROUPED=False, HAS_BIAS=bias is not None,
-        SCALE_MAX=scale_max,
+        SCALE_MAX=scale_max, A_SEGMENTS=a_segments is not None,
         **_mma(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_exact(k),
     )
     if split > 1:
@@ -281,7 +317,7 @@ def grouped_gemm(a: torch.Tensor, a_div: int, w: PackedExperts | torch.Tensor,
         return out.zero_()
     jit.gemm_kernel[(n_tiles, cdiv(n, cfg.block_n), 1)](
         a, wd, ws, amax, out, out, out, sorted_rows, tile_expert,
-        pairs, n, k, kp, a.stride(0), swe, swn, a_div,
+        pairs, n, k, kp, a.stride(0), swe, swn, a_div, 0, n, n,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=1, W_PACKED=packed,
         USE_DOT=cfg.dot, SWAP_AB=cfg.swap_ab, GROUPED=True, HAS_BIAS=False,
         SCALE_MAX=scale_max,

@@ -77,12 +77,12 @@ def finish(acc, bias_ptr, n, n_ok, out_ptr, HAS_BIAS: tl.constexpr, NATIVE_CAST:
 @triton.jit
 def gemm_kernel(
     a_ptr, w_ptr, ws_ptr, amax_ptr, bias_ptr, out_ptr, part_ptr, rows_ptr, tile_expert_ptr,
-    M, N, K, KP, sam, swe, swn, A_DIV,
+    M, N, K, KP, sam, swe, swn, A_DIV, sas, B1, B2,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     W_PACKED: tl.constexpr, USE_DOT: tl.constexpr, GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_MAX: tl.constexpr, MMA_TY: tl.constexpr,
     PRECISION: tl.constexpr, PAD_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, A_SEGMENTS: tl.constexpr = False,
 ):
     """out [M, N] = a [., K] @ W[e]ᵀ, fp32 sums; W packed NVFP4 or plain rows of a's dtype.
 
@@ -91,6 +91,8 @@ def gemm_kernel(
     Grouped: program (tile, n tile); the tile's rows are rows_ptr[tile*BM ...] (pair ids, M for
     padding), all of expert tile_expert[tile] (-1: nothing to do); a row r reads a[r // A_DIV]
     and writes out[r].
+    A_SEGMENTS (dense): output columns from B1 on read a + sas, from B2 on a + 2 * sas (an
+    operand per sibling layer; the bounds are multiples of BN).
     """
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = 0
@@ -109,6 +111,9 @@ def gemm_kernel(
         out_row = r
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
+    if A_SEGMENTS:
+        n0 = pid_n * BN
+        a_ptr += ((n0 >= B1).to(tl.int64) + (n0 >= B2).to(tl.int64)) * sas
     a_base = a_ptr + a_row.to(tl.int64)[:, None] * sam
     e64 = e.to(tl.int64) if GROUPED else 0
     if W_PACKED:

@@ -13,9 +13,13 @@ The values are the unfused ones: the same Q(x) (the siblings see one input, so o
 amax), and the same Q(W) rows, since the siblings of a packed group share one global amax
 (`nn.fused`). Only the GEMM's summation order may differ (a wider N can pick another tile or
 split-K), as it may between any two GEMM shapes. Groups fuse when every member is a bias-free
-`nn.Linear` (BF16 engines), or a packed `QuantLinear` of one recipe without compensation,
-low-rank branch or static activation amax, packed with one shared global amax (as conversion
-packs q/k/v and gate/up); otherwise they stay as they are.
+`nn.Linear` (BF16 engines), or a packed `QuantLinear` of one recipe without a low-rank branch
+or static activation amax, packed with one shared global amax (as conversion packs q/k/v and
+gate/up); otherwise they stay as they are.
+
+QUADS's dynamic residual compensation fuses too: each member picks its own channels (by its own
+weight's column norms), so the fused GEMM reads one x~ per member (`kernels.compensation` builds
+them from one Q(x) and one residual sum), each for its own rows of the weight.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from torch import Tensor, nn
 
 from ..formats.tensor import NVFP4Tensor
 from .fused import FUSED_GROUPS
-from .linear import QuantLinear, fused_inference_ok, packed_inference_linear
+from .linear import (
+    QuantLinear,
+    _propagating,
+    compensated_siblings_linear,
+    fused_inference_ok,
+    packed_inference_linear,
+)
 
 
 @dataclass(eq=False)
@@ -73,7 +83,11 @@ class FusedProjection:
             weight = NVFP4Tensor(self.data, self.scales, first.weight_global_amax, shape,
                                  first.packed_spec)
             x2 = x.reshape(-1, x.shape[-1])
-            y = packed_inference_linear(x2, first.recipe, weight).reshape(*x.shape[:-1], -1)
+            if first.recipe.compensation is not None:
+                y = compensated_siblings_linear(x2, self.members, weight, self.sizes)
+            else:
+                y = packed_inference_linear(x2, first.recipe, weight)
+            y = y.reshape(*x.shape[:-1], -1)
         return y.split(self.sizes, dim=-1)
 
 
@@ -99,10 +113,24 @@ def _packed(members: tuple[nn.Module, ...]) -> bool:
     # Packed with one imposed global amax (conversion's shared-amax groups; a weight sync
     # sends the group's amax to each member), so the rows side by side are one tensor's.
     return (all(m.recipe == r and m.packed_spec == first.packed_spec for m in members)
-            and r.compensation is None and r.lowrank is None and r.activation_amax != "static"
+            and _compensation_fuses(r, first.in_features)
+            and r.lowrank is None and r.activation_amax != "static"
             and all(m.weight_amax is not None for m in members)
             and all(torch.equal(m.weight_global_amax, first.weight_global_amax)
                     for m in members))
+
+
+def _compensation_fuses(r, k: int) -> bool:
+    # Dynamic compensation through the operand kernels (static channels are each member's own).
+    if r.compensation is None:
+        return True
+    from .. import kernels
+
+    if r.compensation.mode != "dynamic" or not kernels.available():
+        return False
+    from ..kernels.compensation import operand_supported
+
+    return operand_supported(_propagating(r.x), k)
 
 
 @torch.no_grad()

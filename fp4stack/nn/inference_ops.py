@@ -2,7 +2,8 @@
 MoE experts, so torch.compile sees each as one node (its fake implementation gives the shape)
 instead of tracing into Triton launches.
 
-    fp4stack::packed_linear(a, data, scale bytes, amax, k, spec, bias?) -> a @ Wᵀ (+ bias)
+    fp4stack::packed_linear(a, data, scale bytes, amax, k, spec, bias?, segments)
+        -> a @ Wᵀ (+ bias)
     fp4stack::grouped_mlp(x, weights, indices, gate_up, down, ks, w_spec, x_spec, dtype,
                           comp_counts, comp_norms) -> float32 [T, D]
 
@@ -51,31 +52,39 @@ def _weight(data: Tensor, scales: Tensor, amax: Tensor, k: int, spec: QuantSpec)
                        torch.Size((*data.shape[:-1], k)), spec)
 
 
-def packed_linear(a: Tensor, w: NVFP4Tensor, bias: Tensor | None = None) -> Tensor:
+def packed_linear(a: Tensor, w: NVFP4Tensor, bias: Tensor | None = None,
+                  segments: tuple[int, ...] = ()) -> Tensor:
     """y [M, N] = a @ Wᵀ (+ bias) in a's dtype for a [M, K] and a packed NVFP4 weight W [N, K]
-    (1x16 blocks or 16x16 tiles): the op `packed_linear_op` under torch.compile."""
+    (1x16 blocks or 16x16 tiles); with `segments` (sibling row counts) a is [J, M, K], one
+    operand per sibling (kernels.packed_gemm.packed_linear). The op `packed_linear_op` under
+    torch.compile."""
     if torch.compiler.is_compiling():
         return packed_linear_op(a, w.data, w.scales.view(torch.uint8), w.amax, w.shape[-1],
-                                spec_key(w.spec), bias)
+                                spec_key(w.spec), bias, list(segments))
     if kernels_run(a):
         from ..kernels.packed_gemm import packed_linear as kernel
 
-        return kernel(a, w, bias)
-    y = a @ dequantize(w, a.dtype).t()
+        return kernel(a, w, bias, segments=tuple(segments))
+    wd = dequantize(w, a.dtype)
+    if segments:
+        y = torch.cat([a[j] @ part.t() for j, part in enumerate(wd.split(list(segments)))], 1)
+    else:
+        y = a @ wd.t()
     return y if bias is None else y + bias.to(a.dtype)
 
 
 @torch.library.custom_op("fp4stack::packed_linear", mutates_args=())
 def packed_linear_op(a: Tensor, data: Tensor, scales: Tensor, amax: Tensor, k: int, spec: str,
-                     bias: Tensor | None) -> Tensor:
+                     bias: Tensor | None, segments: list[int]) -> Tensor:
     """`packed_linear` of the weight [N, k] given by its codes [N, kp/2], E4M3 scale bytes
-    [N, kp/16] uint8, global amax and spec key."""
-    return packed_linear(a, _weight(data, scales, amax, k, spec_from_key(spec)), bias)
+    [N, kp/16] uint8, global amax and spec key; segments [] or the siblings' row counts."""
+    return packed_linear(a, _weight(data, scales, amax, k, spec_from_key(spec)), bias,
+                         tuple(segments))
 
 
 @packed_linear_op.register_fake
-def _(a, data, scales, amax, k, spec, bias):
-    return a.new_empty((a.shape[0], data.shape[0]))
+def _(a, data, scales, amax, k, spec, bias, segments):
+    return a.new_empty((a.shape[-2], data.shape[0]))
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,21 @@ def packed_inference_linear(x2: torch.Tensor, recipe: Recipe, weight: NVFP4Tenso
     return packed_linear(a, weight, bias)
 
 
+def compensated_siblings_linear(x2: torch.Tensor, layers, weight: NVFP4Tensor,
+                                sizes: tuple[int, ...]) -> torch.Tensor:
+    """[x2 ~W_jᵀ for each sibling j] side by side: packed layers of one recipe with dynamic
+    residual compensation whose weights are the row slices `sizes` of `weight`; one Q(x2),
+    each member's channels by its own column norms, one GEMM (nn.fused_projections)."""
+    from ..kernels.compensation import compensated_operand
+    from .inference_ops import packed_linear
+
+    recipe = layers[0].recipe
+    norms = torch.stack([m.qweight_column_sq_norms(x2.dtype) for m in layers])
+    a = compensated_operand(x2, _propagating(recipe.x),
+                            recipe.compensation.count(x2.shape[-1]), norms)
+    return packed_linear(a.to(_compute_dtype(x2)), weight, None, sizes)
+
+
 def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """y = Q(x2) Q(W)ᵀ + b for a packed layer, as one fused kernel reading the packed weight
     (`kernels.packed_gemm.packed_linear`, as the custom op `inference_ops.packed_linear`), with

@@ -206,7 +206,7 @@ def test_rl_compare_table_from_one_start(tmp_path):
     cached = tmp_path / "cmp" / "sft" / SFT_FILE
     assert [s for s in said if s.startswith("policy:")] == [
         f"policy: loaded the SFT warm-up from {cached}"]  # the second run reuses the first's
-    assert "| quads | quads | qat-w |" in (tmp_path / "cmp" / "rl_compare.md").read_text()
+    assert "| quads | 0 | quads | qat-w |" in (tmp_path / "cmp" / "rl_compare.md").read_text()
 
 
 def test_the_sft_warm_up_is_reused_only_for_the_inputs_that_made_it(tmp_path):
@@ -283,3 +283,38 @@ def test_kl_reference_after_a_fresh_sft_warm_up(tmp_path):
     cfg = tiny_config(tmp_path, kl_coef=0.1, sft_steps=3, steps=1, eval_every=0)
     result = run_rl(cfg, log=lambda *a: None)
     assert result["steps"] == 1
+
+
+def test_rl_compare_run_names_parse_into_the_arms():
+    from fp4stack.rl.compare import parse_run
+
+    assert parse_run("bf16") == {"rollout": "bf16", "trainer": "bf16", "correction": "none"}
+    assert parse_run("nvfp4+tis")["correction"] == "token-tis"
+    assert parse_run("w4a16")["trainer"] == "qat-w"  # the paper's W4A16 ablation
+    assert parse_run("quads@0.125") == {"rollout": "quads", "trainer": "qat-w",
+                                        "correction": "none", "compensation": 0.125}
+    assert parse_run("nvfp4-token/qat-w+tis") == {"rollout": "nvfp4-token", "trainer": "qat-w",
+                                                  "correction": "token-tis"}
+    for bad, match in (("fp4", "rollout 'fp4'"), ("nvfp4@0.5", "quads"), ("quads@1.5", r"\(0, 1\]"),
+                       ("bf16/fp32", "trainer 'fp32'"), ("quads 0.5", "ROLLOUT")):
+        with pytest.raises(ValueError, match=match):
+            parse_run(bad)
+
+
+def test_rl_compare_seeds_and_compensation_fractions(tmp_path):
+    cfg = tiny_config(tmp_path, steps=2, eval_every=2, sft_steps=2)
+    out = tmp_path / "cmp"
+    rows = run_rl_comparison(cfg, ["quads@0.25", "quads@1.0"], out, log=lambda *a: None,
+                             seeds=[0, 1])
+    assert [(r["run"], r["seed"]) for r in rows] == [
+        ("quads@0.25", 0), ("quads@1.0", 0), ("quads@0.25", 1), ("quads@1.0", 1)]
+    assert [r["compensation"] for r in rows] == [0.25, 1.0, 0.25, 1.0]
+    assert (out / "sft" / SFT_FILE).exists() and (out / "sft-seed1" / SFT_FILE).exists()
+    assert (out / "quads@1.0" / "seed1" / "result.json").exists()
+    # Every channel compensated: Q(x)Q(W)ᵀ + (x - Q(x))Q(W)ᵀ, the trainer's x Q(W)ᵀ up to the
+    # rounding of that sum; a quarter of them leaves most of the activation error.
+    assert all(r["dlogp_max_max"] < 1e-5 for r in rows[1::2])
+    assert all(r["dlogp_max_mean"] > 1e-3 for r in rows[::2])
+    assert all(r["start_pass_at_1"] is not None for r in rows)
+    table = (out / "rl_compare.md").read_text()
+    assert "| quads@0.25 | 1 | quads | qat-w |" in table and "mean max abs dlogp" in table

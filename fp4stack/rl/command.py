@@ -48,7 +48,11 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("--runs", default="bf16,fp8,nvfp4,nvfp4+tis,quads",
-                   help="comma-separated runs (default bf16,fp8,nvfp4,nvfp4+tis,quads)")
+                   help="comma-separated runs, each ROLLOUT[@FRACTION][/TRAINER][+tis], e.g. "
+                        "quads@0.5, w4a16, nvfp4-token/qat-w (default bf16,fp8,nvfp4,nvfp4+tis,"
+                        "quads)")
+    p.add_argument("--seeds", help="comma-separated seeds: every run once per seed, each seed "
+                                   "from its own SFT start (default: the config's seed)")
     p.add_argument("--out", default="runs/rl-compare", help="output directory")
     p.add_argument("--verbose", action="store_true",
                    help="print every run's log (SFT, each step, each mismatch alarm); default: "
@@ -91,8 +95,9 @@ def run_compare_command(args: argparse.Namespace) -> int:
     from .compare import format_table, run_rl_comparison
 
     try:
+        seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
         rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out,
-                                 verbose=args.verbose)
+                                 verbose=args.verbose, seeds=seeds)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl-compare", e)
     print(format_table(rows))

@@ -1,9 +1,14 @@
 """`fp4stack rl-compare`: rollout precisions side by side from the same SFT start.
 
-The runs: bf16 (BF16 rollout, BF16 trainer), fp8 (W8A8 rollout), nvfp4 (naive W4A4 rollout),
-nvfp4+token-tis (the same with truncated importance sampling) and quads (W4A4 + residual
-compensation rollout, qat-w trainer). Writes DIR/rl_compare.md (final reward and pass@1, mean and
-max k3), rl_compare.json and rl_compare.png (k3 and reward per step).
+A run is named `ROLLOUT[@FRACTION][/TRAINER][+tis]`: the rollout precision (rollout.PRECISIONS:
+bf16, fp8, nvfp4, quads, w4a16, nvfp4-token, quads-token), for quads the fraction of channels
+compensated (default the config's), the trainer (default qat-w, weights quantized as the
+rollout's, where the rollout quantizes weights with compensation or alone: quads, quads-token,
+w4a16; else bf16) and token-level truncated importance sampling. So bf16, fp8, nvfp4,
+nvfp4+tis, quads, quads@0.5, w4a16 and nvfp4-token/qat-w are all runs. With several seeds each
+run repeats per seed from that seed's own SFT start (out/sft, out/sft-seed<N>). Writes
+DIR/rl_compare.md (pass@1 at the start and at the end, final reward, k3, mean and max |dlogp|),
+rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step).
 """
 
 from __future__ import annotations
@@ -22,47 +27,73 @@ from ..train.metrics import read_metrics
 from .config import RLConfig
 from .trainer import run_rl
 
-# name -> (rollout, trainer, correction)
-RUNS = {
-    "bf16": ("bf16", "bf16", "none"),
-    "fp8": ("fp8", "bf16", "none"),
-    "nvfp4": ("nvfp4", "bf16", "none"),
-    "nvfp4+tis": ("nvfp4", "bf16", "token-tis"),
-    "quads": ("quads", "qat-w", "none"),
-}
+DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
+_RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(/(?P<trainer>[a-z0-9-]+))?"
+                  r"(?P<tis>\+tis)?")
+_QAT_ROLLOUTS = ("quads", "quads-token", "w4a16")  # weight-quantizing rollouts: qat-w trainer
+
+
+def parse_run(name: str) -> dict[str, Any]:
+    """The config overrides of run `name` (see the module doc); ValueError naming the part that
+    is wrong."""
+    from .config import TRAINERS
+    from .rollout import PRECISIONS
+
+    m = _RUN.fullmatch(name)
+    if m is None:
+        raise ValueError(f"run {name!r} is not ROLLOUT[@FRACTION][/TRAINER][+tis], e.g. quads@0.5 "
+                         "or nvfp4/qat-w+tis")
+    rollout = m["rollout"]
+    if rollout not in PRECISIONS:
+        raise ValueError(f"run {name!r}: rollout {rollout!r} is not one of {list(PRECISIONS)}")
+    trainer = m["trainer"] or ("qat-w" if rollout in _QAT_ROLLOUTS else "bf16")
+    if trainer not in TRAINERS:
+        raise ValueError(f"run {name!r}: trainer {trainer!r} is not one of {list(TRAINERS)}")
+    overrides = {"rollout": rollout, "trainer": trainer,
+                 "correction": "token-tis" if m["tis"] else "none"}
+    if m["fraction"] is not None:
+        if not rollout.startswith("quads"):
+            raise ValueError(f"run {name!r}: @FRACTION is the compensated channels of a quads "
+                             "rollout")
+        fraction = float(m["fraction"])
+        if not 0 < fraction <= 1:
+            raise ValueError(f"run {name!r}: the fraction must be in (0, 1], got {fraction}")
+        overrides["compensation"] = fraction
+    return overrides
 
 
 def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
-                      log: Callable[[str], None] = print, verbose: bool = True
-                      ) -> list[dict[str, Any]]:
-    """Train each named run from `cfg` (same seed, task and SFT start) into out/<name>; a
+                      log: Callable[[str], None] = print, verbose: bool = True,
+                      seeds: list[int] | None = None) -> list[dict[str, Any]]:
+    """Train each named run (see the module doc) from `cfg` (same task and SFT start) into
+    out/<name>, or out/<name>/seed<N> for each of several `seeds` (default: the config's); a
     finished run (result.json present) is reused.
 
     verbose: every log line of every run goes to `log`. Otherwise each run shows a progress bar
     (on a terminal, with tqdm installed) and `log` gets one line per run: its steps, time and
     how often the mismatch alarm fired.
     """
-    unknown = [r for r in runs if r not in RUNS]
-    if unknown:
-        raise ValueError(f"unknown runs {unknown}; choose from {list(RUNS)}")
+    overrides = {name: parse_run(name) for name in runs}  # every name checked before any run
+    seeds = list(seeds) if seeds else [cfg.seed]
     out = Path(out)
     rows = []
-    for name in runs:
-        rollout, trainer, correction = RUNS[name]
-        run_dir = out / name
-        done = run_dir / "result.json"
-        if done.exists():
-            result = json.loads(done.read_text())
-        else:
-            run_cfg = cfg.with_overrides(rollout=rollout, trainer=trainer, correction=correction,
-                                         out=str(run_dir))
-            if verbose:
-                result = run_rl(run_cfg, log=log, cache_dir=out / "sft")
+    for seed in seeds:
+        sft = out / ("sft" if seed == cfg.seed else f"sft-seed{seed}")
+        for name in runs:
+            run_dir = out / name if len(seeds) == 1 else out / name / f"seed{seed}"
+            done = run_dir / "result.json"
+            if done.exists():
+                result = json.loads(done.read_text())
             else:
-                with RunProgress(name, run_cfg.steps) as progress:
-                    result = run_rl(run_cfg, log=progress.log, cache_dir=out / "sft")
-                log(progress.summary(result, run_cfg.alarm_k3))
-        rows.append({"run": name, **result})
+                run_cfg = cfg.with_overrides(**overrides[name], seed=seed, out=str(run_dir))
+                if verbose:
+                    result = run_rl(run_cfg, log=log, cache_dir=sft)
+                else:
+                    label = name if len(seeds) == 1 else f"{name} seed {seed}"
+                    with RunProgress(label, run_cfg.steps) as progress:
+                        result = run_rl(run_cfg, log=progress.log, cache_dir=sft)
+                    log(progress.summary(result, run_cfg.alarm_k3))
+            rows.append({"run": name, "seed": seed, **result})
     write_report(rows, out)
     return rows
 
@@ -120,14 +151,21 @@ class RunProgress:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    # The median beside the mean: one spiking step can carry a run's mean k3.
-    lines = ["| run | rollout | trainer | final reward | final pass@1 | mean k3 | median k3 "
-             "| max k3 |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    # The median beside the mean: one spiking step can carry a run's mean k3. The per-step
+    # max |dlogp| is the QUADS paper's measure of the mismatch.
+    def num(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = ["| run | seed | rollout | trainer | start pass@1 | final pass@1 | final reward | "
+             "mean k3 | median k3 | max k3 | mean max abs dlogp | mean abs dlogp |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        p1, med = r.get("final_pass_at_1"), r.get("k3_median")
-        lines.append(f"| {r['run']} | {r['rollout']} | {r['trainer']} | {r['final_reward']:.3f} "
-                     f"| {'n/a' if p1 is None else f'{p1:.3f}'} | {r['k3_mean']:.2e} | "
-                     f"{'n/a' if med is None else f'{med:.2e}'} | {r['k3_max']:.2e} |")
+        lines.append(
+            f"| {r['run']} | {r.get('seed', '')} | {r['rollout']} | {r['trainer']} | "
+            f"{num(r.get('start_pass_at_1'), '.3f')} | {num(r.get('final_pass_at_1'), '.3f')} | "
+            f"{r['final_reward']:.3f} | {r['k3_mean']:.2e} | {num(r.get('k3_median'), '.2e')} | "
+            f"{r['k3_max']:.2e} | {num(r.get('dlogp_max_mean'), '.3f')} | "
+            f"{num(r.get('dlogp_mean'), '.4f')} |")
     return "\n".join(lines)
 
 
@@ -140,27 +178,33 @@ def write_report(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """k3 per step (log scale) and reward per step (pass@1 as markers), one colour per run."""
+    """k3 and max |dlogp| per step (log scale) and reward per step (pass@1 as markers), one
+    colour per run (its seeds in that colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (kx, rx) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for i, r in enumerate(rows):
+    fig, (kx, dx, rx) = plt.subplots(1, 3, figsize=(18, 4.5))
+    colours: dict[str, str] = {}
+    for r in rows:
+        label = r["run"] if r["run"] not in colours else None  # a run's seeds share one entry
+        colour = colours.setdefault(r["run"], f"C{len(colours) % 10}")
         metrics = [m for m in read_metrics(r["out"]) if "k3" in m]
-        colour = f"C{i % 10}"
         steps = [m["step"] for m in metrics]
-        kx.plot(steps, [max(float(m["k3"]), 1e-12) for m in metrics], color=colour,
-                label=r["run"])
-        rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=r["run"])
+        kx.plot(steps, [max(float(m["k3"]), 1e-12) for m in metrics], color=colour, label=label)
+        dx.plot(steps, [max(float(m["logp_diff_max"]), 1e-12) for m in metrics], color=colour,
+                label=label)
+        rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=label)
         evals = [(m["step"], m["pass_at_1"]) for m in read_metrics(r["out"]) if "pass_at_1" in m]
         if evals:
             rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
     kx.set_yscale("log")
+    dx.set_yscale("log")
     kx.set_title("trainer-rollout mismatch k3 per step (0 drawn at 1e-12)")
+    dx.set_title("max |log p_train - log p_rollout| per step")
     rx.set_title("reward per step (line), greedy pass@1 (markers)")
-    for ax in (kx, rx):
+    for ax in (kx, dx, rx):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

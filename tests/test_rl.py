@@ -318,3 +318,17 @@ def test_rl_compare_seeds_and_compensation_fractions(tmp_path):
     assert all(r["start_pass_at_1"] is not None for r in rows)
     table = (out / "rl_compare.md").read_text()
     assert "| quads@0.25 | 1 | quads | qat-w |" in table and "mean max abs dlogp" in table
+
+
+def test_split_upcycle_config_builds_a_policy_of_mlp_slices():
+    from fp4stack.rl.policies import build_policy
+
+    cfg = RLConfig(policy={"kind": "gpt", "preset": "tiny"},
+                   upcycle={"n_experts": 4, "top_k": 2, "split": True})
+    model, _ = build_policy(cfg.policy, cfg.upcycle, seed=0, max_len=32)
+    assert model.config.moe and model.config.moe_hidden == model.config.ffn_hidden // 4
+    for bad, match in (({"n_experts": 4}, "top_k"), ({"n_experts": 4, "top_k": 2, "split": "yes"},
+                                                      "upcycle.split"),
+                       ({"n_experts": 4, "top_k": 2, "noise": 1}, "upcycle takes")):
+        with pytest.raises(ValueError, match=match):
+            RLConfig(upcycle=bad)

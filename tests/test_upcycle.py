@@ -148,7 +148,7 @@ def test_upcycle_hf_keeps_logits(kind):
     ref = model(ids()).logits.detach()
     assert upcycle_hf(model, 4, 2) is model
     assert model.config.fp4stack_upcycled == {"n_experts": 4, "top_k": 2, "router_std": 0.02,
-                                              "expert_noise": 0.0, "seed": 0}
+                                              "expert_noise": 0.0, "seed": 0, "split": False}
     assert all(isinstance(layer.mlp, MoEBlock) for layer in model.model.layers)
     names = dict(model.named_parameters())
     assert names["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 256, 64)
@@ -218,3 +218,30 @@ def test_moe_aux_loss_sums_block_losses():
     moe(tokens())
     torch.testing.assert_close(moe_aux_loss(moe), moe.aux_loss)
     assert F.relu(moe.aux_loss - 3 * 2).item() == 0  # ~k per layer, far from collapse (k * E)
+
+
+def test_split_upcycling_cuts_the_mlp_into_differing_experts():
+    model = dense()  # ffn_hidden 128
+    idx = tokens()
+    ref = model(idx)[0]
+    moe = upcycle_gpt(model, 4, 4, split=True, router_std=1e-6)
+    assert (moe.config.moe_hidden, moe.config.n_experts) == (32, 4)
+    # As many parameters as the dense model, plus the routers.
+    routers = sum(b.mlp.router.gate.weight.numel() for b in moe.model.layers)
+    assert sum(p.numel() for p in moe.parameters()) == sum(
+        p.numel() for p in model.parameters()) + routers
+    mlp, block = model.model.layers[0].mlp, moe.model.layers[0].mlp
+    e1 = block.experts
+    assert torch.equal(e1.gate_up_proj[1][:32], mlp.gate_proj.weight[32:64])
+    assert torch.equal(e1.gate_up_proj[1][32:], mlp.up_proj.weight[32:64])
+    assert torch.equal(e1.down_proj[1], mlp.down_proj.weight[:, 32:64] * 4)
+    assert not torch.equal(e1.gate_up_proj[0], e1.gate_up_proj[1])  # experts differ
+    # Every expert routed with near-uniform weights: the dense MLP again.
+    torch.testing.assert_close(moe(idx)[0], ref, rtol=1e-4, atol=1e-4)
+    # Two of four: another function, but one that runs and trains.
+    two = upcycle_gpt(model, 4, 2, split=True)
+    logits, loss = two(idx, idx)
+    assert not torch.allclose(logits, ref, atol=1e-3) and torch.isfinite(loss)
+    loss.backward()
+    with pytest.raises(ValueError, match="n_experts=3 equal slices"):
+        upcycle_gpt(model, 3, 1, split=True)

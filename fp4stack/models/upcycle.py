@@ -16,6 +16,14 @@ While the experts are identical the LM loss gives the router no gradient (its ch
 nothing); the load-balance aux loss does, and the experts diverge as they see different tokens.
 `expert_noise` > 0 perturbs each copy (W * (1 + noise * N(0, 1)), seeded) to break the symmetry at
 once, at the price of starting only close to the dense model.
+
+`split=True` builds experts that differ from the start instead (MoEfication, LLaMA-MoE): the
+dense MLP's hidden units are cut into n_experts slices, expert e holding slice e (its rows of
+gate and up, its columns of down), so the MoE has the dense model's parameters plus the router.
+Each expert's down projection is scaled by n_experts: with all experts routed (top_k =
+n_experts) and near-uniform weights the block is the dense MLP; with top_k < n_experts the
+expected output over a uniform choice is, and the model needs training (continued pretraining
+or the SFT warm-up) to recover what the unrouted slices held.
 """
 
 from __future__ import annotations
@@ -63,34 +71,48 @@ def _perturbed(w: Tensor, noise: float, g: torch.Generator) -> Tensor:
 
 def moe_from_mlp(mlp: nn.Module, n_experts: int, top_k: int, *, router_std: float = 0.02,
                  expert_noise: float = 0.0, generator: torch.Generator | None = None,
-                 where: str = "mlp") -> MoEBlock:
-    """An MoEBlock of n_experts copies of a SwiGLU MLP (gate_proj, up_proj, down_proj; SiLU),
-    in the MLP's dtype and device, with a fresh random router; the MLP is left untouched."""
+                 where: str = "mlp", split: bool = False) -> MoEBlock:
+    """An MoEBlock of n_experts copies of a SwiGLU MLP (gate_proj, up_proj, down_proj; SiLU), or
+    with `split` of its hidden-unit slices (see the module doc), in the MLP's dtype and device,
+    with a fresh random router; the MLP is left untouched."""
     _check(n_experts, top_k, router_std, expert_noise)
     g = generator if generator is not None else torch.Generator().manual_seed(0)
     gate, up, down = _dense_weights(mlp, where)
     hidden, dim = gate.shape
+    if split and hidden % n_experts:
+        raise ValueError(f"{where}: split upcycling cuts the {hidden} hidden units into "
+                         f"n_experts={n_experts} equal slices; choose n_experts dividing {hidden}")
+    width = hidden // n_experts if split else hidden
     with torch.device("meta"):  # shapes only: no initialisation, no global RNG drawn
-        block = MoEBlock(dim, hidden, n_experts, top_k, norm_topk_prob=True)
+        block = MoEBlock(dim, width, n_experts, top_k, norm_topk_prob=True)
     router = torch.randn(n_experts, dim, generator=g, dtype=torch.float32) * router_std
     block.router.gate.weight = nn.Parameter(router.to(gate.device, gate.dtype))
-    gate_up = torch.cat((gate, up), dim=0)  # Experts layout: rows [:I] gate, [I:] up
+    if split:
+        units = [slice(e * width, (e + 1) * width) for e in range(n_experts)]
+        gate_up = [torch.cat((gate[u], up[u]), dim=0) for u in units]
+        downs = [down[:, u] * n_experts for u in units]
+    else:
+        gate_up = [torch.cat((gate, up), dim=0)] * n_experts  # rows [:I] gate, [I:] up
+        downs = [down] * n_experts
     block.experts.gate_up_proj = nn.Parameter(torch.stack(
-        [_perturbed(gate_up, expert_noise, g) for _ in range(n_experts)]))
+        [_perturbed(w, expert_noise, g) for w in gate_up]))
     block.experts.down_proj = nn.Parameter(torch.stack(
-        [_perturbed(down, expert_noise, g) for _ in range(n_experts)]))
+        [_perturbed(w, expert_noise, g) for w in downs]))
     return block
 
 
 def upcycle_gpt(model: GPT, n_experts: int, top_k: int, *, router_std: float = 0.02,
-                expert_noise: float = 0.0, seed: int = 0) -> GPT:
-    """A new MoE GPT (moe=True, moe_hidden=ffn_hidden) whose every MLP is n_experts copies of
-    `model`'s; all other weights copied. `model` is left unchanged."""
+                expert_noise: float = 0.0, seed: int = 0, split: bool = False) -> GPT:
+    """A new MoE GPT (moe=True) whose every MLP is n_experts copies of `model`'s (moe_hidden =
+    ffn_hidden), or with `split` its n_experts hidden-unit slices (moe_hidden = ffn_hidden /
+    n_experts); all other weights copied. `model` is left unchanged."""
     if model.config.moe:
         raise ValueError("GPTConfig.moe: the model is already a mixture of experts")
     _check(n_experts, top_k, router_std, expert_noise)
+    ffn = model.config.ffn_hidden
     config = dataclasses.replace(model.config, moe=True, n_experts=n_experts, top_k=top_k,
-                                 moe_hidden=model.config.ffn_hidden, norm_topk_prob=True)
+                                 moe_hidden=ffn // n_experts if split else ffn,
+                                 norm_topk_prob=True)
     g = torch.Generator().manual_seed(seed)
     blocks = []
     for i, layer in enumerate(model.model.layers):
@@ -98,7 +120,8 @@ def upcycle_gpt(model: GPT, n_experts: int, top_k: int, *, router_std: float = 0
             raise ValueError(f"model.layers.{i}.mlp is a {type(layer.mlp).__name__}, not an MLP")
         blocks.append(moe_from_mlp(layer.mlp, n_experts, top_k, router_std=router_std,
                                    expert_noise=expert_noise, generator=g,
-                                   where=f"model.layers.{i}.mlp").train(layer.mlp.training))
+                                   where=f"model.layers.{i}.mlp", split=split
+                                   ).train(layer.mlp.training))
     # Deep copy without the dense MLPs (shared through the memo, so never copied), then swap in
     # the blocks; deepcopy keeps a tied embedding tied.
     memo = {id(layer.mlp): layer.mlp for layer in model.model.layers}
@@ -111,7 +134,7 @@ def upcycle_gpt(model: GPT, n_experts: int, top_k: int, *, router_std: float = 0
 
 
 def upcycle_hf(model: nn.Module, n_experts: int, top_k: int, *, router_std: float = 0.02,
-               expert_noise: float = 0.0, seed: int = 0) -> nn.Module:
+               expert_noise: float = 0.0, seed: int = 0, split: bool = False) -> nn.Module:
     """Upcycle a Hugging Face dense causal LM in place (Llama, Qwen2/3, SmolLM2, ...): each decoder
     layer's `.mlp` (gate_proj, up_proj, down_proj, SiLU) becomes an fp4stack MoEBlock.
 
@@ -134,12 +157,13 @@ def upcycle_hf(model: nn.Module, n_experts: int, top_k: int, *, router_std: floa
     g = torch.Generator().manual_seed(seed)
     # Build every block before swapping any, so a refused layer leaves the model as it was.
     blocks = [moe_from_mlp(m.mlp, n_experts, top_k, router_std=router_std,
-                           expert_noise=expert_noise, generator=g, where=f"{name}.mlp")
+                           expert_noise=expert_noise, generator=g, where=f"{name}.mlp",
+                           split=split)
               for name, m in layers]
     for (_, layer), block in zip(layers, blocks, strict=True):
         layer.mlp = block.train(layer.mlp.training)
     config.fp4stack_upcycled = {"n_experts": n_experts, "top_k": top_k, "router_std": router_std,
-                                "expert_noise": expert_noise, "seed": seed}
+                                "expert_noise": expert_noise, "seed": seed, "split": split}
     return model
 
 

@@ -26,9 +26,9 @@ class RLConfig:
     # policy: {kind: gpt, <GPTConfig field>: ...} (trained from scratch, SFT warm-up first),
     # {kind: smollm2} or {kind: hf, path: DIR}; as_gpt: true loads a smollm2 / hf policy's
     # weights into fp4stack's GPT (the fast engine's model); upcycle: {n_experts: E, top_k: k}
-    # for dense ones.
+    # for dense ones (split: true makes each expert a slice of the MLP, not a copy).
     policy: dict[str, Any] = field(default_factory=lambda: {"kind": "gpt", "preset": "tiny-moe"})
-    upcycle: dict[str, int] | None = None
+    upcycle: dict[str, Any] | None = None
     task: str = "arithmetic:add"  # built-in name or package.module:callable
     task_options: dict[str, Any] = field(default_factory=dict)
     sft_steps: int = 300  # SFT warm-up on the task's reference completions (0: none)
@@ -109,9 +109,13 @@ class RLConfig:
             raise ValueError("engine 'fast' records MoE routing from the scoring forward only: "
                              "routing_replay with logprobs: sample needs engine: reference (or "
                              "logprobs: score)")
-        if self.upcycle is not None and set(self.upcycle) - {"n_experts", "top_k"}:
-            raise ValueError("upcycle takes n_experts and top_k, got "
-                             f"{sorted(self.upcycle)}")
+        if self.upcycle is not None and (set(self.upcycle) - {"n_experts", "top_k", "split"}
+                                         or not {"n_experts", "top_k"} <= set(self.upcycle)):
+            raise ValueError("upcycle takes n_experts, top_k and optionally split (true: each "
+                             f"expert a slice of the MLP), got {sorted(self.upcycle)}")
+        if self.upcycle is not None and not isinstance(self.upcycle.get("split", False), bool):
+            raise ValueError(f"upcycle.split must be true or false, got "
+                             f"{self.upcycle['split']!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

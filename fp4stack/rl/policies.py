@@ -24,7 +24,7 @@ from . import policy as lm
 HF_AUX_LOSS_COEF = 0.001
 
 
-def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int,
+def build_policy(spec: dict[str, Any], upcycle: dict[str, Any] | None, seed: int,
                  max_len: int) -> tuple[nn.Module, lm.TokenizerLike]:
     """(model in fp32 on CPU, tokenizer) from a config's `policy` and `upcycle` entries."""
     spec = dict(spec)
@@ -43,7 +43,7 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
         except TypeError as e:
             raise ValueError(f"policy: {e}") from e
         if upcycle:
-            model = upcycle_gpt(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
+            model = upcycle_gpt(model, **upcycle, seed=seed)
         return model, tokenizer
     from ..models.hf import hf_directory, smollm2
 
@@ -56,11 +56,11 @@ def build_policy(spec: dict[str, Any], upcycle: dict[str, int] | None, seed: int
     # although its weights are already dequantized to plain tensors.
     model = loaded.model.to(torch.float32)
     if upcycle:
-        upcycle_hf(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
+        upcycle_hf(model, **upcycle, seed=seed)
     return model, lm.HFTokenizer(loaded.tokenizer)
 
 
-def _as_gpt(hf: nn.Module, kind: str, upcycle: dict[str, int] | None, seed: int) -> GPT:
+def _as_gpt(hf: nn.Module, kind: str, upcycle: dict[str, Any] | None, seed: int) -> GPT:
     """The Hugging Face model's weights in fp4stack's GPT (fp32), upcycled if asked."""
     from ..models.hf_import import UnsupportedModel, gpt_from_hf
 
@@ -71,7 +71,7 @@ def _as_gpt(hf: nn.Module, kind: str, upcycle: dict[str, int] | None, seed: int)
         raise ValueError(f"policy {kind} with as_gpt: {e}; set as_gpt: false to run it through "
                          "transformers (engine: reference)") from e
     if upcycle:
-        model = upcycle_gpt(model, upcycle["n_experts"], upcycle["top_k"], seed=seed)
+        model = upcycle_gpt(model, **upcycle, seed=seed)
     return model
 
 

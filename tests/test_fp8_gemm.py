@@ -50,7 +50,8 @@ def test_native_gemm_is_the_emulated_one_up_to_bf16_rounding(m):
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_w8a8_layer_uses_the_native_gemm_and_follows_weight_updates():
-    from fp4stack.nn.linear import QuantLinear, native_fp8_ok
+    from fp4stack.nn.inference_linear import native_fp8_ok
+    from fp4stack.nn.linear import QuantLinear
 
     if not native_block_fp8(0):
         pytest.skip("this torch has no block-scaled FP8 scaled_mm")

@@ -32,13 +32,13 @@ from torch import Tensor, nn
 
 from ..formats.tensor import NVFP4Tensor
 from .fused import FUSED_GROUPS
-from .linear import (
-    QuantLinear,
+from .inference_linear import (
     _propagating,
     compensated_siblings_linear,
     fused_inference_ok,
     packed_inference_linear,
 )
+from .linear import QuantLinear
 
 
 @dataclass(eq=False)

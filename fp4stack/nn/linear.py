@@ -4,13 +4,11 @@ On hardware without FP4 tensor cores the GEMMs are emulated: each operand is qua
 dequantized (bit-exact NVFP4 values) and multiplied in the input's dtype. Operands the backward
 needs are quantized once, in the forward, from the unquantized tensors, and saved; the backward
 never re-quantizes a quantized tensor. A packed layer's inference on CUDA (no gradient wanted)
-is one fused kernel instead (`quantized_inference_linear`): the weight is dequantized in
-registers from its packed bytes, to the same values, and nothing syncs with the host.
+is one fused kernel instead (`nn.inference_linear`): the weight is dequantized in registers
+from its packed bytes, to the same values, and nothing syncs with the host.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +22,7 @@ from ..kernels.fp8_gemm import fp8_linear, fp8_weight
 from ..ops import spec_key
 from . import compensation as rc
 from .fused import shared_amax
+from .inference_linear import native_fp8_ok, quantized_inference_linear
 from .lowrank import count_and_refresh, fit_factors
 from .lowrank_split import lowrank_product, split_weight
 from .operands import (
@@ -109,101 +108,6 @@ def _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels, 
         channels = rc.top_channels(residual, qw, cfg.count(x2.shape[-1]))
     y = qx @ qw.t() + rc.correction(residual, qw, channels)
     return y + bias if bias is not None else y
-
-
-def native_fp8_ok(x: torch.Tensor, layer: QuantLinear) -> bool:
-    """Whether `layer` runs its w8a8 GEMM natively (kernels.fp8_gemm): both operands FP8 with
-    1x128 blocks, a master weight, BF16 inputs on CUDA, nothing else in the recipe, no grad."""
-    r = layer.recipe
-    fp8 = [s is not None and s.format == "fp8" and s.fp8_granularity == "block128"
-           for s in (r.x, r.w)]
-    return (all(fp8) and layer.weight is not None and x.dtype == torch.bfloat16 and x.is_cuda
-            and layer._calibration is None and r.lowrank is None and r.compensation is None
-            and fused_inference_ok(x, layer))
-
-
-def _propagating(spec: QuantSpec) -> QuantSpec:
-    """`spec` with nan_policy="propagate": an inference path's NaN check would read the device
-    back (a NaN reaches the outputs instead)."""
-    if spec.format != "none" and spec.nan_policy != "propagate":
-        return replace(spec, nan_policy="propagate")
-    return spec
-
-
-def packed_inference_linear(x2: torch.Tensor, recipe: Recipe, weight: NVFP4Tensor,
-                            bias: torch.Tensor | None = None,
-                            x_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """y = Q(x2) weightᵀ + b, `weight` packed, by the fused kernel: the compensation-free case
-    of `quantized_inference_linear`, for any packed weight (one layer's, or siblings' rows side
-    by side, nn.fused_projections); the GEMM is the custom op `inference_ops.packed_linear`."""
-    from .inference_ops import packed_linear
-
-    a = quantize_operand(x2, _propagating(recipe.x), x_amax, dtype=_compute_dtype(x2))
-    return packed_linear(a, weight, bias)
-
-
-def compensated_siblings_linear(x2: torch.Tensor, layers, weight: NVFP4Tensor,
-                                sizes: tuple[int, ...]) -> torch.Tensor:
-    """[x2 ~W_jᵀ for each sibling j] side by side: packed layers of one recipe with dynamic
-    residual compensation whose weights are the row slices `sizes` of `weight`; one Q(x2),
-    each member's channels by its own column norms, one GEMM (nn.fused_projections)."""
-    from ..kernels.compensation import compensated_operand
-    from .inference_ops import packed_linear
-
-    recipe = layers[0].recipe
-    norms = torch.stack([m.qweight_column_sq_norms(x2.dtype) for m in layers])
-    a = compensated_operand(x2, _propagating(recipe.x),
-                            recipe.compensation.count(x2.shape[-1]), norms)
-    return packed_linear(a.to(_compute_dtype(x2)), weight, None, sizes)
-
-
-def quantized_inference_linear(x2: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """y = Q(x2) Q(W)ᵀ + b for a packed layer, as one fused kernel reading the packed weight
-    (`kernels.packed_gemm.packed_linear`, as the custom op `inference_ops.packed_linear`), with
-    the layer's recipe and no host sync.
-
-    Q(x) is the recipe's x spec with nan_policy="propagate" (a NaN reaches the outputs), with the
-    layer's calibrated x_amax when the recipe's activation amax is static. Residual compensation
-    (QUADS) is the same single GEMM: Q(x)Q(W)ᵀ + (x - Q(x))[:, C] Q(W)[:, C]ᵀ = x~ Q(W)ᵀ, x~ being
-    Q(x) with the columns C put back to x's own; C is rc_channels (static mode, calibrated) or
-    the top channels by residual energy, picked on the device.
-    """
-    from .inference_ops import packed_linear
-
-    recipe = layer.recipe
-    x_amax = layer.x_amax if recipe.activation_amax == "static" else None
-    cfg = recipe.compensation
-    if cfg is None:
-        return packed_inference_linear(x2, recipe, layer.packed_weight, layer.bias, x_amax)
-    # As _compensated: Q(x) and the residual in x's dtype, the GEMM in the compute dtype.
-    spec = _propagating(recipe.x)
-    channels = layer.rc_channels if cfg.mode == "static" else None
-    if channels is None:
-        from ..kernels.compensation import compensated_operand, operand_supported
-
-        if operand_supported(spec, x2.shape[-1]):  # Q(x), the energies and x~ in two launches
-            norms = layer.qweight_column_sq_norms(x2.dtype)
-            a = compensated_operand(x2, spec, cfg.count(x2.shape[-1]), norms, amax=x_amax)
-            return packed_linear(a.to(_compute_dtype(x2)), layer.packed_weight, layer.bias)
-    qx = quantize_operand(x2, spec, x_amax)
-    if channels is None:
-        from ..kernels.top_mask import top_mask
-
-        energy = (x2 - qx).float().pow(2).sum(0) * layer.qweight_column_sq_norms(x2.dtype)
-        mask = top_mask(energy, cfg.count(x2.shape[-1]))
-    else:
-        mask = channel_mask(channels, x2.shape[-1])
-    return packed_linear(torch.where(mask, x2, qx).to(_compute_dtype(x2)), layer.packed_weight,
-                         layer.bias)
-
-
-def channel_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
-    """bool [k], True at `channels` (distinct indices), by searchsorted: no scatter (which
-    deterministic mode refuses on CUDA) and no host sync."""
-    chosen = channels.long().sort().values
-    cols = torch.arange(k, device=channels.device)
-    pos = torch.searchsorted(chosen, cols).clamp(max=max(chosen.numel() - 1, 0))
-    return chosen[pos] == cols if chosen.numel() else torch.zeros_like(cols, dtype=torch.bool)
 
 
 class QuantLinear(PackedState, nn.Module):

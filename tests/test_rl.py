@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -332,3 +334,21 @@ def test_split_upcycle_config_builds_a_policy_of_mlp_slices():
                        ({"n_experts": 4, "top_k": 2, "noise": 1}, "upcycle takes")):
         with pytest.raises(ValueError, match=match):
             RLConfig(upcycle=bad)
+
+
+def test_activation_error_of_a_sample_batch_every_n_steps(tmp_path):
+    cfg = tiny_config(tmp_path, steps=3, eval_every=0, sft_steps=2, activation_error_every=2,
+                      compensation=0.25)
+    run_rl(cfg, log=lambda *a: None)
+    lines = [json.loads(x) for x in (tmp_path / "quads" / "activation_error.jsonl").open()]
+    assert [x["step"] for x in lines] == [2, 3]  # every 2 steps and the last
+    layers = lines[0]["layers"]
+    names = {row["name"] for row in layers}
+    assert any(n.endswith("q_proj") for n in names) and any("experts" in n for n in names)
+    for row in layers:  # W4A4 error above either part's alone; compensation removes some gap
+        assert row["both"] >= max(row["act_only"], row["weight_only"]) * 0.5 > 0
+        assert 0 < row["compensated"][0]["gap_removed"] <= 1
+    metrics = [r for r in read_metrics(tmp_path / "quads") if r.get("step") == 2][0]
+    assert metrics["act_error"] == pytest.approx(
+        sum(r["act_only"] for r in layers) / len(layers))
+    assert 0 < metrics["gap_removed"] < 1

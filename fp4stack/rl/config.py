@@ -62,6 +62,9 @@ class RLConfig:
     eval_every: int = 10  # steps between pass@1 evaluations on the task's test set
     eval_size: int = 200  # test prompts per evaluation (greedy, in the rollout precision)
     eval_pass_k: int = 0  # also pass@k from 2k samples per test prompt when > 1 (0: off)
+    # Every N steps (0: off) the per-layer W4A4 error of the trainer's policy on rows of that
+    # step's rollouts (activation-only, weight-only, naive, compensated): activation_error.jsonl.
+    activation_error_every: int = 0
     alarm_k3: float = 0.05  # k3 threshold of the mismatch alarm
     alarm: str = "warn"  # off, warn or stop
     seed: int = 0
@@ -88,6 +91,7 @@ class RLConfig:
                               ("prompts_per_step", 1), ("group_size", 2),
                               ("micro_batch_size", 1), ("max_new_tokens", 1),
                               ("eval_every", 0), ("eval_size", 1), ("eval_pass_k", 0),
+                              ("activation_error_every", 0),
                               ("seed", 0)):
             check_int(name, getattr(self, name), minimum)
         for name in ("sft_lr", "lr", "weight_decay", "grad_clip", "clip_low", "clip_high",

@@ -158,3 +158,42 @@ class MismatchAlarm:
                                      "action='warn', to keep training)")
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return msg
+
+
+ACTIVATION_ERROR_ROWS = 8  # rollout rows the per-layer error is measured on
+
+
+def activation_errors(model: torch.nn.Module, tokens: Tensor, mask: Tensor, recipe: str,
+                      compensation: float) -> tuple[dict[str, float], list[dict]]:
+    """The W4A4 error of each linear layer of `model` (its master weights) on the first
+    ACTIVATION_ERROR_ROWS rows of a rollout batch (every position, pads included), by
+    `analysis.attribution` with `recipe`'s x and w specs and `compensation` of the channels:
+    (means over layers: act_error, weight_error, w4a4_error, gap, gap_removed; each layer's
+    row). Relative Frobenius errors against the unquantized GEMM (see attribution)."""
+    from ..analysis.attribution import attribute_error
+    from .policy import forward_logits
+
+    rows = ACTIVATION_ERROR_ROWS
+    batch = tokens[:rows], mask[:rows]
+
+    class _Forward(torch.nn.Module):  # attribution calls model(batch)
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, b):
+            return forward_logits(self.model, *b)
+
+    layers = [r for r in attribute_error(_Forward(), batch, recipe, ks=(compensation,))
+              if r.analysed]
+
+    def mean(values) -> float:
+        values = [v for v in values if math.isfinite(v)]
+        return sum(values) / len(values) if values else math.nan
+
+    summary = {"act_error": mean(r.act_only for r in layers),
+               "weight_error": mean(r.weight_only for r in layers),
+               "w4a4_error": mean(r.both for r in layers),
+               "w4a4_gap": mean(r.gap for r in layers),
+               "gap_removed": mean(r.compensated[0].gap_removed for r in layers)}
+    return summary, [r.to_dict() for r in layers]

@@ -30,7 +30,7 @@ from . import policy as lm
 from .config import RLConfig
 from .fast_rollout import FastRolloutEngine, build_engine
 from .grpo_loss import group_advantages, grpo_loss, rollout_correction
-from .metrics import MismatchAlarm, mismatch_metrics
+from .metrics import MismatchAlarm, activation_errors, mismatch_metrics
 from .policies import build_policy, encode_example, sft_warmup
 from .rollout import Rollout, RolloutEngine
 
@@ -161,6 +161,19 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
     return torch.cat(lps), torch.cat(ents), stats_sum
 
 
+def _activation_error(model, rollout, cfg: RLConfig, step: int, out: Path) -> dict[str, float]:
+    """Per-layer W4A4 error of the trainer's policy on this step's rollouts, in the rollout's
+    activation format (W4A4 with per-token scales for the -token rollouts, else per-tensor),
+    appended to out/activation_error.jsonl; its means, for the step's metrics."""
+    recipe = "w4a4-token" if cfg.rollout.endswith("-token") else "w4a4"
+    summary, layers = activation_errors(model, rollout.tokens, rollout.mask, recipe,
+                                        cfg.compensation)
+    with open(out / "activation_error.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "recipe": recipe, "compensation": cfg.compensation,
+                            **summary, "layers": layers}) + "\n")
+    return summary
+
+
 def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
     device = resolve_device(cfg.device)
@@ -227,6 +240,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                          if k in stats},
                       "synced_tensors": checked, "step_s": time.perf_counter() - t0}
             step_s = record["step_s"]
+            if cfg.activation_error_every and (step % cfg.activation_error_every == 0 or last):
+                record.update(_activation_error(model, rollout, cfg, step, out))
             if cfg.eval_every and (step % cfg.eval_every == 0 or last):
                 record["pass_at_1"] = pass1 = evaluate(engine, task, test)
                 if cfg.eval_pass_k > 1:

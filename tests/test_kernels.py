@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fp4stack.formats import nvfp4 as reference
+from fp4stack.formats.hadamard import rht
 from fp4stack.formats.spec import QuantSpec
 
 triton = pytest.importorskip("triton")
@@ -229,6 +230,25 @@ def test_abs_max_is_amax_of_abs_with_nan():
     out = torch.empty(len(rows), device=DEVICE)
     _abs_max_of_rows[(len(rows),)](x.to(DEVICE), out, C=16)
     assert same_values(out, x.abs().amax(dim=1))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(), QuantSpec(hadamard=True),
+                                  QuantSpec(global_scale="row"), QuantSpec(block=(16, 16))])
+def test_amax_on_both_sides_of_the_one_program_size(spec):
+    # Up to SMALL_AMAX elements one program takes the whole amax (no host-side reduction):
+    # the same values as the grid above it and the reference, NaN rows included.
+    for rows, k in ((1, 80), (3, 70), (32, 1000), (16, kernels.SMALL_AMAX // 16 + 16)):
+        x = wide_range(rows, k, seed=rows).to(DEVICE)
+        x[-1, 3] = float("nan")
+        if (spec.is_2d and rows % 16) or (spec.hadamard and k % 16):
+            continue
+        x3 = kernels._as_3d(x, spec)
+        got = kernels._amax(x3, spec)
+        if spec.row_scaled:
+            want = reference.row_amax(x.float()).reshape(-1)
+        else:
+            want = (rht(x.float()) if spec.hadamard else x).abs().amax()
+        assert same_values(got.reshape(-1), want.reshape(-1).float()), (rows, k)
 
 
 def test_non_contiguous_input():

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..formats import nvfp4 as reference
 from ..formats.hadamard import RHT_SIGNS
@@ -41,6 +42,8 @@ class TileConfig:
 QUANTIZE_TILE = TileConfig(block_m=4, blocks_k=32, num_warps=2)
 QUANTIZE_TILE_2D = TileConfig(block_m=16, blocks_k=8, num_warps=2)
 AMAX_TILE = TileConfig(block_m=32, blocks_k=32, num_warps=8)
+# Operands up to this many elements (a decoding step's activations) take the one-program amax.
+SMALL_AMAX = 1 << 16
 DEQUANTIZE_TILE = TileConfig()
 
 
@@ -78,11 +81,22 @@ def _grid(x3: torch.Tensor, kp: int, tile: TileConfig) -> tuple[int, int, int]:
 
 
 def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """The global amax of x3 [B, M, K]: 0-d, or [B * M] for a row-scaled spec."""
-    tile = AMAX_TILE
+    """The global amax of x3 [B, M, K]: 0-d, or [B * M] for a row-scaled spec. Up to
+    SMALL_AMAX elements one program computes it (one launch); above, a grid of programs and a
+    torch reduction of their partial maxima."""
     b, m, k = x3.shape
-    grid = _grid(x3, padded_k(k), tile)
     rows = spec.row_scaled
+    if b * m * k <= SMALL_AMAX:
+        bm = min(triton.next_power_of_2(m), 16)
+        out = torch.empty(b * m if rows else (), dtype=torch.float32, device=x3.device)
+        kj.amax_small_kernel[(1,)](
+            x3, out, b, m, k, *x3.stride(), BM=bm, KB=max(1, 256 // bm),
+            HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK, ROWS=rows, num_warps=4,
+            **_launch_options(),
+        )
+        return out
+    tile = AMAX_TILE
+    grid = _grid(x3, padded_k(k), tile)
     n = grid[1] * b * m if rows else grid[0] * grid[1] * grid[2]
     partial = torch.empty(n, dtype=torch.float32, device=x3.device)
     kj.amax_kernel[grid](

@@ -19,6 +19,7 @@ from .nvfp4_jit import (
     global_decode,
     global_scales,
     load_halves,
+    max_nan,
     pack_pairs,
     round_half,
     sq_error,
@@ -51,6 +52,40 @@ def amax_kernel(x_ptr, partial_ptr, M, K, sb, sm, sk,
     else:
         pid = (b * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_m
         tl.store(partial_ptr + pid, abs_max(m, 0))
+
+
+@triton.jit
+def amax_small_kernel(x_ptr, out_ptr, B, M, K, sb, sm, sk,
+                      BM: tl.constexpr, KB: tl.constexpr, HADAMARD: tl.constexpr,
+                      SIGN_MASK: tl.constexpr, ROWS: tl.constexpr):
+    """max |x| (NaN-propagating) of a small [B, M, K] tensor by one program, in out (0-d), or
+    with ROWS each row's at out[b * M + row]: amax_kernel's values without the host-side
+    reduction, so a small operand (a decoding step's) costs one launch, not two."""
+    acc = tl.full((), 0.0, tl.float32)
+    for b_ in range(B):
+        b = b_ * tl.full((), 1, tl.int64)  # a tensor (under the interpreter range gives ints)
+        for r0 in range(0, M, BM):
+            rows = r0 + tl.arange(0, BM)
+            racc = tl.zeros((BM,), dtype=tl.float32)
+            for k0 in range(0, tl.cdiv(K, 16), KB):
+                if HADAMARD:
+                    kbs = k0 + tl.arange(0, KB)
+                    lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, sb, sm, sk, HADAMARD,
+                                               SIGN_MASK)
+                    m = abs_max(block_amax(lo, hi), 1)
+                else:
+                    cols = k0 * 16 + tl.arange(0, KB * 16)
+                    mask = (rows < M)[:, None] & (cols < K)[None, :]
+                    ptrs = x_ptr + b * sb + rows.to(tl.int64)[:, None] * sm
+                    x = tl.load(ptrs + cols.to(tl.int64)[None, :] * sk, mask=mask, other=0.0)
+                    m = abs_max(x.to(tl.float32), 1)
+                racc = max_nan(racc, m)
+            if ROWS:
+                tl.store(out_ptr + b * M + rows, racc, mask=rows < M)
+            else:
+                acc = max_nan(acc, abs_max(racc, 0))
+    if not ROWS:
+        tl.store(out_ptr, acc)
 
 
 @triton.jit

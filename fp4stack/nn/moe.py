@@ -124,10 +124,11 @@ class Experts(nn.Module):
         """x [T, D], routing weights and indices [T, k] -> sum_j weights[:, j] * expert_j(x).
 
         Without gradients on CUDA, all experts run in two grouped launches with no host sync
-        (`kernels.moe_align.grouped_mlp`, as the custom op `inference_ops.grouped_mlp`).
-        Otherwise the pairs are sorted by expert and one op per projection runs every expert's
-        GEMMs (`grouped_experts`: static shapes, so torch.compile traces it whole); the loop,
-        their reference, serves what they do not (calibration, compensation, packed weights)."""
+        (`kernels.moe_align.grouped_mlp`, as the custom op `inference_ops.grouped_mlp`; QUADS's
+        compensation of packed experts included). Otherwise the pairs are sorted by expert and
+        one op per projection runs every expert's GEMMs (`grouped_experts`: static shapes, so
+        torch.compile traces it whole); the loop, their reference, serves what they do not
+        (calibration; compensation and packed weights off the grouped path)."""
         if fused_inference_ok(x, self, weights):
             operands = self.grouped_operands(x.dtype)
             if operands is not None:

@@ -28,6 +28,24 @@ from .nvfp4_jit import (
 
 
 @triton.jit
+def rows_abs_max(x_ptr, b, rows, kb0, M, K, sb, sm, sk, KB: tl.constexpr,
+                 HADAMARD: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """max |x| (NaN-propagating) of each row `rows` of x[b] over the KB 16-element blocks from
+    block kb0 (after the Hadamard transform when HADAMARD); 0 outside M x K."""
+    if HADAMARD:
+        kbs = kb0 + tl.arange(0, KB)
+        lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, sb, sm, sk, HADAMARD, SIGN_MASK)
+        return abs_max(block_amax(lo, hi), 1)
+    else:
+        # A plain 2D tile: nothing here needs block structure, and wide loads read fastest.
+        cols = kb0 * 16 + tl.arange(0, KB * 16)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        ptrs = x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64)[:, None] * sm
+        x = tl.load(ptrs + cols.to(tl.int64)[None, :] * sk, mask=mask, other=0.0)
+        return abs_max(x.to(tl.float32), 1)
+
+
+@triton.jit
 def amax_kernel(x_ptr, partial_ptr, M, K, sb, sm, sk,
                 BM: tl.constexpr, KB: tl.constexpr, HADAMARD: tl.constexpr,
                 SIGN_MASK: tl.constexpr, ROWS: tl.constexpr):
@@ -35,17 +53,7 @@ def amax_kernel(x_ptr, partial_ptr, M, K, sb, sm, sk,
     one value a program, or with ROWS one a row, at partial[pid_k, b * M + row]."""
     pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)
-    if HADAMARD:
-        kbs = pid_k * KB + tl.arange(0, KB)
-        lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, sb, sm, sk, HADAMARD, SIGN_MASK)
-        m = abs_max(block_amax(lo, hi), 1)
-    else:
-        # A plain 2D tile: nothing here needs block structure, and wide loads read fastest.
-        cols = pid_k * KB * 16 + tl.arange(0, KB * 16)
-        mask = (rows < M)[:, None] & (cols < K)[None, :]
-        ptrs = x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64)[:, None] * sm
-        x = tl.load(ptrs + cols.to(tl.int64)[None, :] * sk, mask=mask, other=0.0)
-        m = abs_max(x.to(tl.float32), 1)
+    m = rows_abs_max(x_ptr, b, rows, pid_k * KB, M, K, sb, sm, sk, KB, HADAMARD, SIGN_MASK)
     if ROWS:
         row_off = (pid_k * tl.num_programs(2) + b).to(tl.int64) * M + rows
         tl.store(partial_ptr + row_off, m, mask=rows < M)
@@ -68,17 +76,7 @@ def amax_small_kernel(x_ptr, out_ptr, B, M, K, sb, sm, sk,
             rows = r0 + tl.arange(0, BM)
             racc = tl.zeros((BM,), dtype=tl.float32)
             for k0 in range(0, tl.cdiv(K, 16), KB):
-                if HADAMARD:
-                    kbs = k0 + tl.arange(0, KB)
-                    lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, sb, sm, sk, HADAMARD,
-                                               SIGN_MASK)
-                    m = abs_max(block_amax(lo, hi), 1)
-                else:
-                    cols = k0 * 16 + tl.arange(0, KB * 16)
-                    mask = (rows < M)[:, None] & (cols < K)[None, :]
-                    ptrs = x_ptr + b * sb + rows.to(tl.int64)[:, None] * sm
-                    x = tl.load(ptrs + cols.to(tl.int64)[None, :] * sk, mask=mask, other=0.0)
-                    m = abs_max(x.to(tl.float32), 1)
+                m = rows_abs_max(x_ptr, b, rows, k0, M, K, sb, sm, sk, KB, HADAMARD, SIGN_MASK)
                 racc = max_nan(racc, m)
             if ROWS:
                 tl.store(out_ptr + b * M + rows, racc, mask=rows < M)

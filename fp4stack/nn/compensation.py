@@ -13,7 +13,12 @@ import torch
 def channel_energy(residual: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """Per input channel c: sum_t residual[t, c]^2 * ||Q(W)[:, c]||^2 (its share of output error
     energy, ignoring cross terms)."""
-    return residual.pow(2).sum(0) * qweight.pow(2).sum(0)
+    return energy_with_norms(residual, qweight.pow(2).sum(0))
+
+
+def energy_with_norms(residual: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """channel_energy given the column norms ||Q(W)[:, c]||² (cached by packed layers)."""
+    return residual.pow(2).sum(0) * norms
 
 
 def top_channels(residual: torch.Tensor, qweight: torch.Tensor, k: int) -> torch.Tensor:

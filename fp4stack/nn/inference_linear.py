@@ -14,6 +14,7 @@ from torch import nn
 
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
+from .compensation import energy_with_norms
 from .operands import _compute_dtype, fused_inference_ok, quantize_operand
 from .recipe import Recipe
 
@@ -97,7 +98,7 @@ def quantized_inference_linear(x2: torch.Tensor, layer: nn.Module) -> torch.Tens
     if channels is None:
         from ..kernels.top_mask import top_mask
 
-        energy = (x2 - qx).float().pow(2).sum(0) * layer.qweight_column_sq_norms(x2.dtype)
+        energy = energy_with_norms((x2 - qx).float(), layer.qweight_column_sq_norms(x2.dtype))
         mask = top_mask(energy, cfg.count(x2.shape[-1]))
     else:
         mask = channel_mask(channels, x2.shape[-1])

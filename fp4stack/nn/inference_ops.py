@@ -33,7 +33,7 @@ from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from ..ops import backend_for, spec_from_key, spec_key
-from .compensation import top_indices
+from .compensation import energy_with_norms, top_indices
 from .grouped_experts import _rows, combine, sort_pairs
 
 
@@ -124,7 +124,7 @@ def _activations(x: Tensor, spec: QuantSpec | None, dtype: torch.dtype,
         return fake_quantize(x, spec=spec, dtype=dtype)
     count, norms = compensation
     q = fake_quantize(x, spec=spec)
-    energy = (x - q).float().pow(2).sum(0) * norms
+    energy = energy_with_norms((x - q).float(), norms)
     channels = top_indices(energy, count)
     return q.index_copy(1, channels, x[:, channels]).to(dtype)
 

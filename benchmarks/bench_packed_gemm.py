@@ -225,10 +225,11 @@ def compile_check(quick: bool) -> list[str]:
     from fp4stack.kernels import packed_gemm_jit as jit
     from fp4stack.kernels.hopper import compile_sm90
 
-    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "amax_ptr": "*fp32",
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8", "amax_ptr": "*fp32",
             "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "rows_ptr": "*i32",
             "tile_expert_ptr": "*i32", "like_ptr": "*bf16", "x_ptr": "*bf16",
-            "group_ptr": "*i64", "wd_ptr": "*u8"}
+            "group_ptr": "*i64", "wd_ptr": "*i32", "data_ptr": "*u8", "scale_ptr": "*u8",
+            "nonfinite_ptr": "*i32", "lock_ptr": "*i32"}
     common = dict(SCALE_MAX=448.0, MMA_TY=tl.bfloat16, PRECISION="tf32", PAD_K=False,
                   NATIVE_CAST=True, HAS_BIAS=True)
     jobs = []
@@ -244,7 +245,8 @@ def compile_check(quick: bool) -> list[str]:
                          cfg.num_stages, dict(common, BM=bm, BN=cfg.block_n,
                                               BK=cfg.block_k, SPLIT_K=split, W_PACKED=True,
                                               USE_DOT=cfg.dot, SWAP_AB=cfg.swap_ab,
-                                              GROUPED=False)))
+                                              GROUPED=False, EVEN_K=True,
+                                              SERIAL_REDUCE=split > 1)))
     for name, cfg in grouped:
         for packed in (True, False):
             jobs.append((f"grouped {name} packed={packed}", jit.gemm_kernel, cfg.num_warps,
@@ -261,6 +263,19 @@ def compile_check(quick: bool) -> list[str]:
         jobs.append((f"rows fake-quantize 4/6={fos}", jit.rows_fake_quantize_kernel,
                      tile.num_warps, None, dict(BM=tile.block_m, KB=tile.blocks_k,
                                                 FOUR_OVER_SIX=fos, SCALE_MAX=448.0)))
+    from fp4stack.kernels import nvfp4 as nv
+    from fp4stack.kernels import nvfp4_kernels as kj
+
+    for here, rows in ((True, False), (True, True)) if quick else (
+            (False, False), (True, False), (True, True)):
+        # the decode operand: Q(x) with its amax computed in the same launch (AMAX_HERE)
+        jobs.append((f"activation fake-quantize amax_here={here} row_amax={rows}",
+                     kj.quantize_kernel, nv.QUANTIZE_TILE.num_warps, None,
+                     dict(BM=nv.QUANTIZE_TILE.block_m, KB=nv.QUANTIZE_TILE.blocks_k, IS_2D=False,
+                          HADAMARD=False, SIGN_MASK=nv.SIGN_MASK, STOCHASTIC=False,
+                          FOUR_OVER_SIX=False, SCALE_MAX=448.0, FAKE=True, CHECK_FINITE=False,
+                          ROW_AMAX=rows, AMAX_HERE=here)))
+    ptrs["out_ptr"] = "*bf16"
     lines = []
     for label, fn, warps, stages, consts in jobs:
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}

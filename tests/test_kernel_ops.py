@@ -71,7 +71,10 @@ def test_packed_linear_op_is_the_layers_reference_gemm(kernels, dtype):
     torch.library.opcheck(inference_ops.packed_linear_op, pair)
     y2 = inference_ops.packed_linear_op(*pair)
     y1 = inference_ops.packed_linear_op(a.flip(0), *args[1:])
-    assert torch.equal(y2[:, 32:], y1[:, 32:])
+    if dtype == torch.bfloat16 or CUDA:
+        assert torch.equal(y2[:, 32:], y1[:, 32:])
+    else:  # the interpreter's fp32 dot is numpy's sgemm, whose sums depend on the tile's shape
+        torch.testing.assert_close(y2[:, 32:], y1[:, 32:], rtol=1e-6, atol=1e-6)
     got = inference_ops.packed_linear_op(*args)
     with torch.no_grad():  # what a packed layer computes off the fused path
         want = layer._reference_forward(x)

@@ -251,6 +251,23 @@ def test_amax_on_both_sides_of_the_one_program_size(spec):
         assert same_values(got.reshape(-1), want.reshape(-1).float()), (rows, k)
 
 
+@pytest.mark.parametrize("here", [True, False], ids=["amax-in-quantize", "amax-launch-first"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_amax_inside_the_quantize_kernel_or_before_it(name, here, monkeypatch):
+    """A small operand's amax computed by the quantize kernel's own programs (one launch) or
+    by the amax kernel before it: the reference's bits both ways, 3-D inputs included, and a
+    NaN input refused both ways."""
+    monkeypatch.setattr(kernels, "AMAX_HERE_READS", 1 << 40 if here else 0)
+    spec = SPECS[name]
+    x = wide_range(2 * 16, 32, seed=len(name)).reshape(2, 16, 32).to(DEVICE)
+    assert kernels.amax_here(x.numel(), 4) is here
+    check_all_paths(x, spec, seed=11)
+    x[1, 7, 3] = float("nan")
+    check_all_paths(x, replace(spec, nan_policy="propagate"), seed=11)
+    with pytest.raises(ValueError, match="acts: 1 of 1024 values are NaN or Inf"):
+        kernels.quantize(x, spec, seed=11, name="acts")
+
+
 def test_non_contiguous_input():
     x = wide_range(48, 32, seed=9).to(DEVICE)
     check_all_paths(x.t(), SPECS["rne"])

@@ -3,7 +3,8 @@
     y = Q(x) Q(W)ᵀ + (x - Q(x))[:, C] Q(W)[:, C]ᵀ = x~ Q(W)ᵀ,
 
 x~ being Q(x) with the compensated channels C put back to x's own values. Two launches after the
-amax, no host sync, static shapes (CUDA-graph capturable):
+amax (a small operand's amax, a decoding step's, is computed by the first launch's programs
+themselves), no host sync, static shapes (CUDA-graph capturable):
 
 1. `quantize_energy_kernel`, a program per (group, block of columns): it walks the group's rows
    (the layer's, or one expert's token-expert pairs in moe_align's tiles), writes Q(x) (into
@@ -29,14 +30,16 @@ import triton.language as tl
 
 from ..formats.spec import QuantSpec
 from . import cdiv
-from .nvfp4 import _amax, _launch_options
+from .nvfp4 import _amax, _launch_options, amax_here
 from .nvfp4_jit import cast_rne, load_halves
+from .nvfp4_kernels import row_abs_max, tensor_abs_max
 from .packed_gemm import rows_fake_quantize_supported
 from .packed_gemm_jit import fake_quantize_halves
 from .top_mask import MAX_LENGTH, top_k_mask
 
 DENSE_TILE = 16  # rows a dense layer's programs take at once
 ENERGY_BLOCKS = 4  # 16-column blocks a quantize_energy program covers
+AMAX_BLOCKS = 32  # 16-column blocks a step of its in-kernel amax reads
 
 
 @triton.jit
@@ -44,13 +47,14 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
                            R, K, sxm, DIV, N_TILES, J, QS,
                            TILE: tl.constexpr, KB: tl.constexpr, SORTED: tl.constexpr,
                            ROW_AMAX: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
-                           SCALE_MAX: tl.constexpr):
+                           SCALE_MAX: tl.constexpr, AMAX_HERE: tl.constexpr = False):
     """q[j, r] = fake_quantize(x[r // DIV]) (j < J) for the rows r of group g = program_id(0),
     and sums[g, c] = sum_r (x - q)[r, c]² over the columns of program_id(1); output j starts
     QS elements after output j - 1.
     SORTED: the group's rows are rows_ptr[t * TILE ...] for its tiles tiles_ptr[g] ..
     tiles_ptr[g + 1] (R marks padding); else rows 0 .. R in N_TILES tiles. The amax is
-    amax[r // DIV] (ROW_AMAX) or amax[g]."""
+    amax[r // DIV] (ROW_AMAX) or amax[g]; AMAX_HERE: computed by the program itself, x's rows'
+    (ROW_AMAX) or, dense, the whole x's (one launch fewer for a small operand)."""
     g = tl.program_id(0)
     kbs = tl.program_id(1) * KB + tl.arange(0, KB)
     if SORTED:
@@ -63,6 +67,8 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
     sources = tl.cdiv(R, DIV)
     acc_lo = tl.zeros((KB, 8), dtype=tl.float32)
     acc_hi = tl.zeros((KB, 8), dtype=tl.float32)
+    if AMAX_HERE and not ROW_AMAX:
+        x_amax = tensor_abs_max(x_ptr, 1, sources, K, 0, sxm, 1, TILE, AMAX_BLOCKS, False, 0)
     for t in range(t0, t1):
         slot = t * TILE + tl.arange(0, TILE)
         if SORTED:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
@@ -73,7 +79,13 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
         src = tl.where(ok, rows // DIV, sources)  # padding reads nothing
         lo, hi, mask_lo, mask_hi = load_halves(x_ptr, tl.program_id(2), src, kbs, sources, K,
                                                0, sxm, 1, False, 0)
-        if ROW_AMAX:
+        if AMAX_HERE:
+            if ROW_AMAX:
+                amax = row_abs_max(x_ptr, tl.full((), 0, tl.int64), src, sources, K, 0, sxm, 1,
+                                   AMAX_BLOCKS, False, 0)
+            else:
+                amax = x_amax + tl.zeros((TILE,), tl.float32)
+        elif ROW_AMAX:
             amax = tl.load(amax_ptr + src, mask=ok, other=1.0)
         else:
             amax = tl.load(amax_ptr + g + tl.zeros((TILE,), tl.int32))
@@ -150,16 +162,24 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: tor
         raise ValueError(f"compensated_operand: spec {spec} with K={k} is not supported; it "
                          f"takes NVFP4 1x16 round-to-nearest specs, K <= {MAX_LENGTH}")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    kb = ENERGY_BLOCKS
+    col_programs = cdiv(cdiv(k, 16), kb)
+    here = False
     if spec.row_scaled:
         if amax is not None:
             raise ValueError("compensated_operand: a row-scaled spec takes each row's own amax; "
                              "pass amax=None")
-        amax = _amax(x.reshape(1, -1, k), spec)
+        # Each program reads its rows whole; a small operand's programs compute their amax.
+        here = amax_here(x.numel(), col_programs)
     elif amax is None:
         if alignment is not None:
             raise ValueError("compensated_operand: grouped rows need each expert's amax")
+        here = amax_here(x.numel(), col_programs)  # each reads the whole of x
+    if here:
+        amax = x  # not read
+    elif amax is None:
         amax = _amax(x.reshape(1, -1, k), spec)
-    amax = amax.to(torch.float32).contiguous()
+    amax = amax if here else amax.to(torch.float32).contiguous()
     sorted_ = alignment is not None
     siblings = not sorted_ and norms.dim() == 2
     if sorted_:
@@ -179,12 +199,11 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: tor
     if rows == 0:
         return q.reshape(shape)
     sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
-    kb = ENERGY_BLOCKS
-    quantize_energy_kernel[(n_groups, cdiv(cdiv(k, 16), kb))](
+    quantize_energy_kernel[(n_groups, col_programs)](
         x, amax, sorted_rows, tiles, q, sums, rows, k, x.stride(0), row_div, n_tiles, outputs,
         rows * k, TILE=tile, KB=kb, SORTED=sorted_, ROW_AMAX=spec.row_scaled,
-        FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, num_warps=4,
-        **_launch_options(),
+        FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, AMAX_HERE=here,
+        num_warps=4, **_launch_options(),
     )
     if count > 0:
         block = triton.next_power_of_2(k)

@@ -52,18 +52,22 @@ def signature(fn, constexprs: dict, types: dict[str, str], default: str = "i32")
 
 def compile_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int = 4,
                  num_stages: int | None = None, maxnreg: int | None = None,
-                 default: str = "i32") -> HopperBuild:
+                 default: str = "i32", divisible: tuple[str, ...] = ()) -> HopperBuild:
     """Compile the @triton.jit `fn` for sm_90 with fp4stack's exact-float options (no FMA
     contraction, subnormals kept), as its launches do, and report what it needs. num_stages
-    None: Triton's default; maxnreg: a cap on registers per thread."""
+    None: Triton's default; maxnreg: a cap on registers per thread. Pointer arguments are
+    taken as 16-byte aligned and the integers named in `divisible` as multiples of 16, as a
+    launch specializes them (torch's allocations are aligned; 2048, say, is a multiple)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_sm90 needs a process without TRITON_INTERPRET=1")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature=signature(fn, constexprs, types, default),
-                    constexprs=constexprs)
+    sig = signature(fn, constexprs, types, default)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, **_launch_options(maxnreg or 0))
     if num_stages is not None:
         options["num_stages"] = num_stages

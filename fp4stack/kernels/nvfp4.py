@@ -42,8 +42,12 @@ class TileConfig:
 QUANTIZE_TILE = TileConfig(block_m=4, blocks_k=32, num_warps=2)
 QUANTIZE_TILE_2D = TileConfig(block_m=16, blocks_k=8, num_warps=2)
 AMAX_TILE = TileConfig(block_m=32, blocks_k=32, num_warps=8)
-# Operands up to this many elements (a decoding step's activations) take the one-program amax.
+# Operands up to this many elements (a decoding step's activations) take the one-program amax,
+# or have their amax computed by the programs that quantize them (`amax_here`).
 SMALL_AMAX = 1 << 16
+# ...the latter while the elements those programs read for it, together, stay this few (each
+# reads the whole tensor, or its rows whole): a few microseconds of L2 reads, one launch saved.
+AMAX_HERE_READS = 1 << 22
 DEQUANTIZE_TILE = TileConfig()
 
 
@@ -107,6 +111,13 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return partial.view(grid[1], b * m).amax(0) if rows else partial.amax()
 
 
+def amax_here(numel: int, programs: int) -> bool:
+    """Whether `programs` programs quantizing `numel` elements should each compute the amax
+    they need themselves (see AMAX_HERE_READS): `programs` counts those reading the whole
+    tensor, or for a row-scaled operand the programs along a row (each reads its rows whole)."""
+    return numel <= SMALL_AMAX and numel * programs <= AMAX_HERE_READS
+
+
 def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
     """max |x| (after the 16-point Hadamard transform when `hadamard`) by the amax kernel, as
     a float32 0-d tensor; the amax `quantize` computes when none is imposed."""
@@ -122,15 +133,19 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
     b, m, k = x3.shape
     kp = padded_k(k)
     check = spec.nan_policy == "raise"
+    tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
+    grid = _grid(x3, kp, tile)
     # With the amax computed here, a non-finite input shows in it; otherwise the kernel counts.
-    finite_amax = None
+    check_amax = here = False
     if spec.row_scaled:
         reference.refuse_row_amax(amax, name)
     if amax is None:
-        amax_t = _amax(x3, spec)
-        if check:
-            finite_amax = torch.isfinite(amax_t).all()
-            check = False
+        # A small operand (a decoding step's) has its amax computed by the quantize kernel's
+        # programs themselves, each from the whole tensor (or its own rows): one launch.
+        here = amax_here(b * m * k, grid[1] if spec.row_scaled else grid[0] * grid[1] * grid[2])
+        amax_t = (torch.empty(b * m if spec.row_scaled else (), dtype=torch.float32,
+                              device=x.device) if here else _amax(x3, spec))
+        check_amax, check = check, False
     else:
         amax_t = reference.as_amax(amax, x.device, check=spec.nan_policy == "raise")
 
@@ -139,8 +154,6 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
         # A tensor seed is a CPU tensor (torch's CPU generator): reading it waits on nothing.
         k1, k2 = seed_keys(draw_seed() if seed is None else int(seed))
 
-    tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
-    grid = _grid(x3, kp, tile)
     dev = x.device
     if fake:
         # The kernel rounds its float32 values to out_dtype once, as the reference's cast does.
@@ -158,12 +171,12 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
         BM=tile.block_m, KB=tile.blocks_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,
         SIGN_MASK=SIGN_MASK, STOCHASTIC=spec.rounding == "stochastic",
         FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, FAKE=fake,
-        CHECK_FINITE=check, ROW_AMAX=spec.row_scaled, num_warps=tile.num_warps,
-        **_launch_options(),
+        CHECK_FINITE=check, ROW_AMAX=spec.row_scaled, AMAX_HERE=here, B=b,
+        num_warps=tile.num_warps, **_launch_options(),
     )
     # Checked after the launch, so the host waits while the kernel runs, not before it.
-    if finite_amax is not None:
-        reference.raise_if_flagged(not bool(finite_amax.item()), x, name)
+    if check_amax:
+        reference.raise_if_flagged(not bool(torch.isfinite(amax_t).all().item()), x, name)
     if check:
         reference.raise_if_flagged(bool(nonfinite.sum().item()), x, name)
     if fake:

@@ -63,27 +63,46 @@ def amax_kernel(x_ptr, partial_ptr, M, K, sb, sm, sk,
 
 
 @triton.jit
+def tensor_abs_max(x_ptr, B, M, K, sb, sm, sk, BM: tl.constexpr, KB: tl.constexpr,
+                   HADAMARD: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """max |x| (NaN-propagating, a 0-d float32) of the whole [B, M, K] tensor, by one program."""
+    acc = tl.full((), 0.0, tl.float32)
+    for b_ in range(B):
+        b = b_ * tl.full((), 1, tl.int64)  # a tensor (under the interpreter range gives ints)
+        for r0 in range(0, M, BM):
+            acc = max_nan(acc, abs_max(row_abs_max(x_ptr, b, r0 + tl.arange(0, BM), M, K, sb,
+                                                   sm, sk, KB, HADAMARD, SIGN_MASK), 0))
+    return acc
+
+
+@triton.jit
+def row_abs_max(x_ptr, b, rows, M, K, sb, sm, sk, KB: tl.constexpr, HADAMARD: tl.constexpr,
+                SIGN_MASK: tl.constexpr):
+    """max |x| (NaN-propagating) of each whole row `rows` of x[b] [M, K]; 0 past M."""
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, 16), KB):
+        acc = max_nan(acc, rows_abs_max(x_ptr, b, rows, k0, M, K, sb, sm, sk, KB, HADAMARD,
+                                        SIGN_MASK))
+    return acc
+
+
+@triton.jit
 def amax_small_kernel(x_ptr, out_ptr, B, M, K, sb, sm, sk,
                       BM: tl.constexpr, KB: tl.constexpr, HADAMARD: tl.constexpr,
                       SIGN_MASK: tl.constexpr, ROWS: tl.constexpr):
     """max |x| (NaN-propagating) of a small [B, M, K] tensor by one program, in out (0-d), or
     with ROWS each row's at out[b * M + row]: amax_kernel's values without the host-side
     reduction, so a small operand (a decoding step's) costs one launch, not two."""
-    acc = tl.full((), 0.0, tl.float32)
-    for b_ in range(B):
-        b = b_ * tl.full((), 1, tl.int64)  # a tensor (under the interpreter range gives ints)
-        for r0 in range(0, M, BM):
-            rows = r0 + tl.arange(0, BM)
-            racc = tl.zeros((BM,), dtype=tl.float32)
-            for k0 in range(0, tl.cdiv(K, 16), KB):
-                m = rows_abs_max(x_ptr, b, rows, k0, M, K, sb, sm, sk, KB, HADAMARD, SIGN_MASK)
-                racc = max_nan(racc, m)
-            if ROWS:
-                tl.store(out_ptr + b * M + rows, racc, mask=rows < M)
-            else:
-                acc = max_nan(acc, abs_max(racc, 0))
-    if not ROWS:
-        tl.store(out_ptr, acc)
+    if ROWS:
+        for b_ in range(B):
+            b = b_ * tl.full((), 1, tl.int64)
+            for r0 in range(0, M, BM):
+                rows = r0 + tl.arange(0, BM)
+                m = row_abs_max(x_ptr, b, rows, M, K, sb, sm, sk, KB, HADAMARD, SIGN_MASK)
+                tl.store(out_ptr + b * M + rows, m, mask=rows < M)
+    else:
+        tl.store(out_ptr, tensor_abs_max(x_ptr, B, M, K, sb, sm, sk, BM, KB, HADAMARD,
+                                         SIGN_MASK))
 
 
 @triton.jit
@@ -93,13 +112,16 @@ def quantize_kernel(
     BM: tl.constexpr, KB: tl.constexpr, IS_2D: tl.constexpr, HADAMARD: tl.constexpr,
     SIGN_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
     SCALE_MAX: tl.constexpr, FAKE: tl.constexpr, CHECK_FINITE: tl.constexpr,
-    ROW_AMAX: tl.constexpr,
+    ROW_AMAX: tl.constexpr, AMAX_HERE: tl.constexpr = False, B=1,
 ):
     """Quantize BM rows x KB blocks of x [B, M, K].
 
     FAKE=False writes packed codes to data [B, M, KP/2] and scale bits to scale [B, M, KP/16];
     FAKE=True writes the dequantized values to out [B, M, K] (x's dtype) instead. ROW_AMAX:
     amax holds one value a row [B * M] (a row-scaled spec) instead of one.
+    AMAX_HERE: the program computes the amax itself (the whole tensor's, which every program
+    reads; or its rows' with ROW_AMAX) and writes it to amax_ptr: a small operand's amax and
+    quantization in one launch instead of two.
     """
     pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -113,10 +135,22 @@ def quantize_kernel(
         tl.store(nonfinite_ptr + pid, tl.sum(tl.sum(tl.sum(bad, 2), 1), 0))
 
     if ROW_AMAX:  # [BM, 1] against the blocks' [BM, KB]; dec [BM, 1, 1] against [BM, KB, 8]
-        amax = tl.load(amax_ptr + b * M + rows, mask=rows < M, other=0.0)[:, None]
+        if AMAX_HERE:
+            amax = row_abs_max(x_ptr, b.to(tl.int64), rows, M, K, sb, sm, sk, KB, HADAMARD,
+                               SIGN_MASK)
+            if pid_k == 0:
+                tl.store(amax_ptr + b * M + rows, amax, mask=rows < M)
+            amax = tl.where(rows < M, amax, 0.0)[:, None]
+        else:
+            amax = tl.load(amax_ptr + b * M + rows, mask=rows < M, other=0.0)[:, None]
         dec = global_decode(amax, SCALE_MAX)[:, :, None]
     else:
-        amax = tl.load(amax_ptr)
+        if AMAX_HERE:
+            amax = tensor_abs_max(x_ptr, B, M, K, sb, sm, sk, BM, KB, HADAMARD, SIGN_MASK)
+            if (pid_m == 0) & (pid_k == 0) & (b == 0):
+                tl.store(amax_ptr, amax)
+        else:
+            amax = tl.load(amax_ptr)
         dec = global_decode(amax, SCALE_MAX)
     s_enc, s_dec = global_scales(amax, SCALE_MAX)
     bmax = block_amax(lo, hi)

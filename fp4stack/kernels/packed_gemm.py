@@ -91,9 +91,31 @@ GROUPED_BUCKETS: tuple[tuple[float, str], ...] = (
     (16, "g16x64x64swap"), (48, "g32x64x64"), (float("inf"), "g64x128x64"),
 )
 PROGRAMS_PER_SM = 2  # split-K target: this many programs per SM
+# Split-K partial sums added by the last split of each tile (one launch) instead of a second
+# kernel; same bits either way. False: always the second kernel.
+SERIAL_SPLIT_K = True
 MAX_SPLIT_K = 16
 MIN_K_TILES_PER_SPLIT = 2
 SPLIT_MAX_M = 64  # above, the fp32 partial sums would cost more bytes than the weight
+
+
+_TILE_LOCKS: dict[tuple, torch.Tensor] = {}
+
+
+def tile_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """Zeroed int32 tile counters for a serial split-K launch of `tiles` tiles on the current
+    stream of `device` (each launch leaves them zero, and a stream runs its launches one after
+    another, so one buffer a stream serves them all); None where none can be had: a buffer too
+    small while a CUDA graph is being captured (allocating then would tie it to the graph)."""
+    key = (device.type, device.index,
+           torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    locks = _TILE_LOCKS.get(key)
+    if locks is None or locks.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _TILE_LOCKS[key] = locks
+    return locks
 
 
 @functools.cache
@@ -150,12 +172,20 @@ def _check_a(a: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _packed_parts(w: NVFP4Tensor):
-    """(data [rows, KP/2], scale bytes [rows, KP/16]) of a 1x16 or 16x16 NVFP4 weight."""
+    """(codes as int32 words [rows, KP/8], scale bytes [rows, KP/16]) of a 1x16 or 16x16 NVFP4
+    weight (the kernels read the codes 16 bytes at a time)."""
     if w.spec.hadamard:
         raise ValueError("packed_linear: the weight was quantized with hadamard=True; its values "
                          "are in the transformed domain, so a GEMM with plain activations is wrong")
     kp = padded_k(w.shape[-1])
-    return w.data.reshape(-1, kp // 2), w.scales.view(torch.uint8).reshape(-1, kp // BLOCK)
+    return (_words(w.data.reshape(-1, kp // 2)),
+            w.scales.view(torch.uint8).reshape(-1, kp // BLOCK))
+
+
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., KP/2] uint8 as int32 words [..., KP/8] (the same bytes; KP is a
+    multiple of 16, so a row is whole words)."""
+    return (data if data.stride(-1) == 1 else data.contiguous()).view(torch.int32)
 
 
 def _interpreted() -> bool:
@@ -171,10 +201,13 @@ def _mma(dtype: torch.dtype) -> dict:
             "PRECISION": "tf32"}  # the precision only matters for fp32 operands
 
 
-def _exact(k: int) -> dict:
+def _exact(k: int, block_k: int | None = None) -> dict:
     """PAD_K: K leaves padding in its last block; NATIVE_CAST: compiled (the interpreter's
-    bf16 cast is not round-to-nearest-even), plus the exact-maths launch options."""
-    return {"PAD_K": k % BLOCK != 0, "NATIVE_CAST": not _interpreted(), **_launch_options()}
+    bf16 cast is not round-to-nearest-even), plus the exact-maths launch options; with
+    block_k, EVEN_K: K is a multiple of it (the GEMM's loads need no column mask)."""
+    even = {} if block_k is None else {"EVEN_K": k % block_k == 0}
+    return {"PAD_K": k % BLOCK != 0, "NATIVE_CAST": not _interpreted(), **even,
+            **_launch_options()}
 
 
 def packed_linear(a: torch.Tensor, w: NVFP4Tensor | torch.Tensor, bias: torch.Tensor | None = None,
@@ -191,7 +224,8 @@ def packed_linear(a: torch.Tensor, w: NVFP4Tensor | torch.Tensor, bias: torch.Te
     scales; or a plain [N, K] tensor of a's dtype. Products are summed in float32 (no TF32 for
     fp32 operands), rounded once to a.dtype; a bias is then added as QuantLinear's reference
     adds it (rounded to a.dtype, added in float32, rounded again). Deterministic: split-K
-    partial sums are added in a fixed order by a second launch, no atomics.
+    partial sums are added in split order, by the tile's last split (an atomic counter tells
+    which) or, with SERIAL_SPLIT_K off, by a second launch.
     """
     if segments:
         return _segmented(a, w, bias, config, segments)
@@ -253,6 +287,7 @@ def _dense(a, w, bias, config, a_segments=None, a_bounds=None):
     part = (torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1
             else out)
     grid = (cdiv(m, bm), cdiv(n, cfg.block_n), split)
+    locks = tile_locks(a.device, grid[0] * grid[1]) if split > 1 and SERIAL_SPLIT_K else None
     seg_stride, bounds = (a_segments.stride(0), a_bounds) if a_segments is not None else (0, (n, n))
     jit.gemm_kernel[grid](
         a if a_segments is None else a_segments, wd, ws, amax, b, out, part, out, out,
@@ -260,9 +295,10 @@ def _dense(a, w, bias, config, a_segments=None, a_bounds=None):
         BM=bm, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, W_PACKED=packed,
         USE_DOT=cfg.dot, SWAP_AB=cfg.swap_ab, GROUPED=False, HAS_BIAS=bias is not None,
         SCALE_MAX=scale_max, A_SEGMENTS=a_segments is not None,
-        **_mma(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_exact(k),
+        **_mma(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        lock_ptr=locks, SERIAL_REDUCE=locks is not None, **_exact(k, cfg.block_k),
     )
-    if split > 1:
+    if split > 1 and locks is None:
         rm, rn = 16, 128
         jit.splitk_reduce_kernel[(cdiv(m, rm), cdiv(n, rn))](
             part, b, out, m, n, SPLIT_K=split, BM=rm, BN=rn, HAS_BIAS=bias is not None,
@@ -300,7 +336,8 @@ def grouped_gemm(a: torch.Tensor, a_div: int, w: PackedExperts | torch.Tensor,
         if w.spec.hadamard:
             raise ValueError("grouped_gemm: expert weights quantized with hadamard=True")
         kp = padded_k(k)
-        wd, ws, amax, scale_max = w.data, w.scales.view(torch.uint8), w.amax, w.spec.scale_max
+        wd, ws, amax, scale_max = (_words(w.data), w.scales.view(torch.uint8), w.amax,
+                                   w.spec.scale_max)
         swe = swn = 0
     else:
         if w.dtype != a.dtype:
@@ -321,7 +358,8 @@ def grouped_gemm(a: torch.Tensor, a_div: int, w: PackedExperts | torch.Tensor,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=1, W_PACKED=packed,
         USE_DOT=cfg.dot, SWAP_AB=cfg.swap_ab, GROUPED=True, HAS_BIAS=False,
         SCALE_MAX=scale_max,
-        **_mma(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_exact(k),
+        **_mma(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_exact(k, cfg.block_k),
     )
     return out
 
@@ -376,7 +414,7 @@ def column_sq_norms(w: NVFP4Tensor | PackedExperts, dtype: torch.dtype) -> torch
     if stack and w.spec.hadamard:
         raise ValueError("column_sq_norms: expert weights quantized with hadamard=True")
     e, n, k = w.shape if stack else (1, *w.shape)
-    wd, ws = (w.data, w.scales.view(torch.uint8)) if stack else _packed_parts(w)
+    wd, ws = (_words(w.data), w.scales.view(torch.uint8)) if stack else _packed_parts(w)
     out = torch.empty((e, k), dtype=torch.float32, device=w.data.device)
     if k == 0 or e == 0:
         return out if stack else out[0]

@@ -28,26 +28,69 @@ from .nvfp4_jit import (
     sq_error,
 )
 
+# The decode's two constant factors: (code bits * 2**-126) * (scale * 2**117) is the exact
+# product e2m1(code) * scale * 2**-9, and multiplying it by D * 2**9 rounds once to the float32
+# of (e2m1(code) * scale) * D, the reference's value. Both factors stay finite for every E4M3
+# scale (<= 448) and every decode factor D (<= FLT_MAX / 2688), and no product loses a bit.
+SCALE_LIFT = tl.constexpr(2.0**117)
+DECODE_DROP = tl.constexpr(2.0**9)
+
 
 @triton.jit
-def packed_tile(wd_ptr, ws_ptr, dec, n, n_ok, k0, K, KP, BK: tl.constexpr, PAD_K: tl.constexpr):
-    """float32 values [BN, BK] of a packed weight's rows n, columns k0 .. k0 + BK.
+def nibble_value(words, J: tl.constexpr, lifted):
+    """float32 e2m1(code) * scale * 2**-9 of the code in bits 4J .. 4J+3 of each int32 word,
+    lifted its block's scale times SCALE_LIFT: the code's bits placed in a float32 (the E2M1
+    magnitude at the top of the exponent and mantissa fields, read as value * 2**-126, as
+    e2m1_value; the sign bit) and one multiply."""
+    if J <= 5:  # noqa: SIM108 (J is a constexpr: one side is compiled)
+        mag = (words << (22 - 4 * J)) & 0x01C00000
+    else:
+        mag = (words >> (4 * J - 22)) & 0x01C00000
+    sign = (words << (28 - 4 * J)) & -0x80000000
+    return (mag | sign).to(tl.float32, bitcast=True) * lifted
 
-    Reads BK/2 code bytes and BK/16 scale bytes a row (rows are KP/2 and KP/16 bytes apart).
-    Rows past N and columns past KP load as code 0 with scale 0 (value 0; rows past N are never
-    stored). PAD_K (K not a multiple of 16): columns K .. KP are zeroed, since a NaN block scale
-    would make NaN of the padding, which the reference cuts off before its GEMM."""
+
+@triton.jit
+def word_values(words, lifted):
+    """float32 [R, 8 W]: the 8 codes of each int32 word of words [R, W] (the even element in
+    the low nibble) as nibble_value, lifted [R, W] the scale of each word's block."""
+    # tl.join stacks along a new last axis, so the first join is the slowest index of the 2x2x2
+    # result: joining codes 4 apart, then 2, then 1 leaves them in order.
+    v04 = tl.join(nibble_value(words, 0, lifted), nibble_value(words, 4, lifted))
+    v26 = tl.join(nibble_value(words, 2, lifted), nibble_value(words, 6, lifted))
+    v15 = tl.join(nibble_value(words, 1, lifted), nibble_value(words, 5, lifted))
+    v37 = tl.join(nibble_value(words, 3, lifted), nibble_value(words, 7, lifted))
+    v = tl.join(tl.join(v04, v26), tl.join(v15, v37))
+    return tl.reshape(v, (words.shape[0], 8 * words.shape[1]))
+
+
+@triton.jit
+def packed_tile(wd_ptr, ws_ptr, dec9, n, n_ok, k0, K, KP, BK: tl.constexpr,
+                PAD_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """float32 values [BN, BK] of a packed weight's rows n, columns k0 .. k0 + BK, exactly
+    (e2m1(code) * scale) * D for dec9 = D * DECODE_DROP.
+
+    wd_ptr addresses the codes as int32 words (KP/8 a row, 16-byte loads), ws_ptr the scale
+    bytes (KP/16 a row). Rows past N and columns past KP load as code 0 with scale 0 (value 0;
+    rows past N are never stored); EVEN_K: KP is a multiple of BK, no column mask. PAD_K (K not
+    a multiple of 16): columns K .. KP are zeroed, since a NaN block scale would make NaN of the
+    padding, which the reference cuts off before its GEMM."""
     BN: tl.constexpr = n.shape[0]
     KB: tl.constexpr = BK // 16
     row = n.to(tl.int64)[:, None]
-    dcols = k0 // 2 + tl.arange(0, BK // 2)
-    packed = tl.load(wd_ptr + row * (KP // 2) + dcols[None, :],
-                     mask=n_ok[:, None] & (dcols < KP // 2)[None, :], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, KB, 16))  # even element low
+    wcols = k0 // 8 + tl.arange(0, BK // 8)
     scols = k0 // 16 + tl.arange(0, KB)
-    sbits = tl.load(ws_ptr + row * (KP // 16) + scols[None, :],
-                    mask=n_ok[:, None] & (scols < KP // 16)[None, :], other=0).to(tl.int32)
-    w = tl.reshape(e2m1_value(codes) * e4m3_value(sbits)[:, :, None] * dec, (BN, BK))
+    if EVEN_K:
+        wmask = tl.broadcast_to(n_ok[:, None], (BN, BK // 8))
+        smask = tl.broadcast_to(n_ok[:, None], (BN, KB))
+    else:
+        wmask = n_ok[:, None] & (wcols < KP // 8)[None, :]
+        smask = n_ok[:, None] & (scols < KP // 16)[None, :]
+    words = tl.load(wd_ptr + row * (KP // 8) + wcols[None, :], mask=wmask, other=0)
+    sbits = tl.load(ws_ptr + row * (KP // 16) + scols[None, :], mask=smask, other=0)
+    lifted = e4m3_value(sbits.to(tl.int32)) * SCALE_LIFT
+    lifted = tl.reshape(tl.broadcast_to(lifted[:, :, None], (BN, KB, 2)), (BN, BK // 8))
+    w = word_values(words, lifted) * dec9
     if PAD_K:
         w = tl.where((k0 + tl.arange(0, BK) < K)[None, :], w, 0.0)
     return w
@@ -82,12 +125,17 @@ def gemm_kernel(
     W_PACKED: tl.constexpr, USE_DOT: tl.constexpr, GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_MAX: tl.constexpr, MMA_TY: tl.constexpr,
     PRECISION: tl.constexpr, PAD_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, A_SEGMENTS: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, A_SEGMENTS: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+    lock_ptr=None, SERIAL_REDUCE: tl.constexpr = False,
 ):
-    """out [M, N] = a [., K] @ W[e]ᵀ, fp32 sums; W packed NVFP4 or plain rows of a's dtype.
+    """out [M, N] = a [., K] @ W[e]ᵀ, fp32 sums; W packed NVFP4 (w_ptr its codes as int32
+    words) or plain rows of a's dtype. EVEN_K: K is a multiple of BK (no column masks).
 
     Dense (GROUPED=False): program (m tile, n tile, k split); e = 0; with SPLIT_K > 1 each split
-    writes its fp32 partial sums to part [SPLIT_K, M, N] and `splitk_reduce_kernel` adds them.
+    writes its fp32 partial sums to part [SPLIT_K, M, N] and `splitk_reduce_kernel` adds them;
+    or, SERIAL_REDUCE, the split that finishes last on its tile (counted in lock[tile], zeros
+    before and after the launch) adds them itself, in split order as the reduce kernel does:
+    one launch, the same bits.
     Grouped: program (tile, n tile); the tile's rows are rows_ptr[tile*BM ...] (pair ids, M for
     padding), all of expert tile_expert[tile] (-1: nothing to do); a row r reads a[r // A_DIV]
     and writes out[r].
@@ -117,9 +165,9 @@ def gemm_kernel(
     a_base = a_ptr + a_row.to(tl.int64)[:, None] * sam
     e64 = e.to(tl.int64) if GROUPED else 0
     if W_PACKED:
-        wd = w_ptr + e64 * N * (KP // 2)
+        wd = w_ptr + e64 * N * (KP // 8)
         ws = ws_ptr + e64 * N * (KP // 16)
-        dec = global_decode(tl.load(amax_ptr + e64), SCALE_MAX)
+        dec9 = global_decode(tl.load(amax_ptr + e64), SCALE_MAX) * DECODE_DROP
     else:
         wrow = w_ptr + e64 * swe + n.to(tl.int64)[:, None] * swn
 
@@ -132,12 +180,20 @@ def gemm_kernel(
     for kt in range(kt0, kt1):
         k0 = kt * BK
         cols = k0 + tl.arange(0, BK)
-        a = tl.load(a_base + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_base + cols[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_base + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                        other=0.0)
         if W_PACKED:
-            w = round_to(packed_tile(wd, ws, dec, n, n_ok, k0, K, KP, BK, PAD_K), a_ptr,
+            w = round_to(packed_tile(wd, ws, dec9, n, n_ok, k0, K, KP, BK, PAD_K, EVEN_K), a_ptr,
                          NATIVE_CAST)
         else:
-            w = tl.load(wrow + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
+            if EVEN_K:
+                w = tl.load(wrow + cols[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                w = tl.load(wrow + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :],
+                            other=0.0)
         if SWAP_AB:
             # accᵀ = W aᵀ: the weight tile, decoded in registers, is the MMA's A operand, which
             # Hopper's wgmma reads from registers (M = BN >= 64), and the few rows of a are N.
@@ -157,8 +213,21 @@ def gemm_kernel(
         y = finish(acc, bias_ptr, n, n_ok, out_ptr, HAS_BIAS, NATIVE_CAST)
         tl.store(out_ptr + out_row.to(tl.int64)[:, None] * N + n[None, :], y, mask=mask)
     else:
-        off = (pid_s * M + out_row.to(tl.int64))[:, None] * N + n[None, :]
-        tl.store(part_ptr + off, acc, mask=mask)
+        off = out_row.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + off, acc, mask=mask)
+        if SERIAL_REDUCE:
+            # Every thread's partial sums are written before one thread counts this split in,
+            # with release-acquire order at GPU scope; the last split's loads bypass L1.
+            tl.debug_barrier()
+            lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    total += tl.load(part_ptr + tl.full((), s, tl.int64) * M * N + off,
+                                     mask=mask, other=0.0, cache_modifier=".cg")
+                y = finish(total, bias_ptr, n, n_ok, out_ptr, HAS_BIAS, NATIVE_CAST)
+                tl.store(out_ptr + off, y, mask=mask)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -187,14 +256,14 @@ def column_sq_norms_kernel(wd_ptr, ws_ptr, amax_ptr, like_ptr, out_ptr, N, K, KP
     residual compensation's channel energy; reads the packed weights once."""
     k0 = tl.program_id(0) * BK
     e = tl.program_id(1).to(tl.int64)
-    wd_ptr += e * N * (KP // 2)
+    wd_ptr += e * N * (KP // 8)
     ws_ptr += e * N * (KP // 16)
     out_ptr += e * K
-    dec = global_decode(tl.load(amax_ptr + e), SCALE_MAX)
+    dec9 = global_decode(tl.load(amax_ptr + e), SCALE_MAX) * DECODE_DROP
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for n0 in range(0, N, BN):
         n = n0 + tl.arange(0, BN)
-        w = packed_tile(wd_ptr, ws_ptr, dec, n, n < N, k0, K, KP, BK, PAD_K)
+        w = packed_tile(wd_ptr, ws_ptr, dec9, n, n < N, k0, K, KP, BK, PAD_K, False)
         w = round_to(w, like_ptr, NATIVE_CAST).to(tl.float32)
         acc += w * w
     cols = k0 + tl.arange(0, BK)

@@ -13,6 +13,7 @@ gives at most that many steps per second; "+KV" adds the static cache's reads.
     python benchmarks/bench_rollout.py --shape all --out benchmarks/results/bench_rollout.json
     python benchmarks/bench_rollout.py --shape small-moe --precisions bf16,quads --batches 256
     python benchmarks/bench_rollout.py --grpo-step   # configs/rl/small-moe.yaml: fast vs reference
+    python benchmarks/bench_rollout.py --grpo-step --grpo-arms fast,fast@cuda:1,fast@cuda:1+ahead
 """
 
 from __future__ import annotations
@@ -189,23 +190,51 @@ def engine_variants(args) -> list[tuple[str, dict]]:
     return out
 
 
-def grpo_step_times(steps: int, config: Path) -> list[dict]:
-    """Median seconds of a GRPO step of `config` (random policy: no SFT, no evaluation) with
-    each engine; the first step (compilation, graph capture) is left out."""
+def parse_arm(text: str) -> dict:
+    """A GRPO timing arm ENGINE[@ENGINE_DEVICE][+ahead]: fast@cuda:1+ahead is the fast engine
+    on the second GPU, sampling one step ahead (off_policy 1) while the trainer trains."""
+    engine, ahead = (text[:-len("+ahead")], 1) if text.endswith("+ahead") else (text, 0)
+    engine, _, where = engine.partition("@")
+    if engine not in ("fast", "reference"):
+        raise argparse.ArgumentTypeError(f"arm {text!r}: ENGINE[@DEVICE][+ahead] with ENGINE "
+                                         "fast or reference")
+    return {"arm": text, "engine": engine, "engine_device": where or "same", "off_policy": ahead}
+
+
+def default_arms() -> str:
+    """fast and reference on the trainer's GPU; with a second GPU also the engine there, and
+    one step ahead on either."""
+    arms = "fast,reference,fast+ahead"
+    if torch.cuda.device_count() > 1:
+        arms += ",fast@cuda:1,fast@cuda:1+ahead"
+    return arms
+
+
+def grpo_step_times(steps: int, config: Path, arms: list[dict], device: str) -> list[dict]:
+    """Median seconds of a GRPO step of `config` (random policy: no SFT, no evaluation) per
+    arm, with the median seconds of its generation and of the trainer's wait for it; the first
+    two steps (compilation, graph capture, the first step ahead) are left out."""
     from fp4stack.rl.config import load_rl_config
     from fp4stack.rl.trainer import run_rl
     from fp4stack.train.metrics import read_metrics
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for engine in ("fast", "reference"):
-            out = Path(tmp) / engine
-            cfg = load_rl_config(config, engine=engine, steps=steps + 1, sft_steps=0,
-                                 eval_every=0, out=str(out))
+        for i, arm in enumerate(arms):
+            out = Path(tmp) / str(i)
+            cfg = load_rl_config(config, engine=arm["engine"],
+                                 engine_device=arm["engine_device"],
+                                 off_policy=arm["off_policy"], steps=steps + 2, sft_steps=0,
+                                 eval_every=0, device=device, out=str(out))
             run_rl(cfg, log=lambda *a: None)
-            step_s = [r["step_s"] for r in read_metrics(out) if "step_s" in r][1:]
-            rows.append({"engine": engine, "steps": len(step_s),
-                         "step_s": statistics.median(step_s), "step_s_all": step_s})
+            records = [r for r in read_metrics(out) if "step_s" in r][2:]
+            rows.append({**arm, "steps": len(records),
+                         **{k: statistics.median(r[k] for r in records)
+                            for k in ("step_s", "generate_s", "rollout_wait_s")},
+                         "step_s_all": [r["step_s"] for r in records]})
+    base = rows[0]["step_s"]
+    for r in rows:
+        r["vs_first"] = r["step_s"] / base
     return rows
 
 
@@ -253,6 +282,11 @@ def main() -> None:
     p.add_argument("--grpo-step", action="store_true",
                    help="instead: time GRPO steps of configs/rl/small-moe.yaml per engine")
     p.add_argument("--grpo-steps", type=int, default=5, help="steps timed with --grpo-step")
+    p.add_argument("--grpo-config", default=str(ROOT / "configs/rl/small-moe.yaml"),
+                   help="the RL config --grpo-step times (default configs/rl/small-moe.yaml)")
+    p.add_argument("--grpo-arms", type=lambda s: [parse_arm(a) for a in s.split(",") if a],
+                   help="comma-separated ENGINE[@ENGINE_DEVICE][+ahead] arms of --grpo-step "
+                        f"(default {default_arms()!r}; the first is the ratios' base)")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--profile", action="store_true",
                    help="also list each fast row's slowest kernels (torch.profiler, one call)")
@@ -270,10 +304,13 @@ def main() -> None:
         meta["triton"] = None
     print(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
     if args.grpo_step:
-        rows = grpo_step_times(args.grpo_steps, ROOT / "configs/rl/small-moe.yaml")
+        arms = args.grpo_arms or [parse_arm(a) for a in default_arms().split(",")]
+        rows = grpo_step_times(args.grpo_steps, Path(args.grpo_config), arms, args.device)
+        print("| arm | step s | vs first | generate s | trainer waited s | steps |")
+        print("|---|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"GRPO step, engine {r['engine']}: {r['step_s']:.3f} s (median of "
-                  f"{r['steps']})")
+            print(f"| {r['arm']} | {r['step_s']:.3f} | {r['vs_first']:.2f}x | "
+                  f"{r['generate_s']:.3f} | {r['rollout_wait_s']:.3f} | {r['steps']} |")
         if args.out:
             Path(args.out).write_text(json.dumps({**meta, "grpo": rows}, indent=1))
         return

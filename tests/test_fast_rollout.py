@@ -401,3 +401,22 @@ def test_a_compiled_step_decodes_as_the_reference(device, precision):
             assert_same(ref.generate(prompts), fast.generate(prompts), exact_logprobs=False)
     assert fast._forward_at is not fast.model.forward_at
     assert fast.captured_graphs == (device == "cuda")  # both batches in bucket 4: one slot
+
+
+def test_grpo_step_arms_time_the_schedules_on_cpu(tmp_path):
+    """--grpo-step's arms parse and run: the reference engine on-policy and one step ahead
+    (on CPU both on the one device), each with its generation and wait times."""
+    bench = load_script("benchmarks/bench_rollout.py")
+    assert bench.parse_arm("fast@cuda:1+ahead") == {
+        "arm": "fast@cuda:1+ahead", "engine": "fast", "engine_device": "cuda:1", "off_policy": 1}
+    with pytest.raises(argparse.ArgumentTypeError, match="ENGINE"):
+        bench.parse_arm("vllm")
+    config = tmp_path / "rl.yaml"
+    config.write_text("policy: {kind: gpt, preset: tiny-moe, moe_hidden: 64}\n"
+                      "task_options: {level: 1, n_test: 8}\nprompts_per_step: 2\n"
+                      "group_size: 2\nmax_new_tokens: 3\n")
+    arms = [bench.parse_arm(a) for a in ("reference", "reference@cpu+ahead")]
+    rows = bench.grpo_step_times(2, config, arms, "cpu")
+    assert [(r["engine_device"], r["off_policy"], r["steps"]) for r in rows] == [
+        ("same", 0, 2), ("cpu", 1, 2)]
+    assert rows[0]["vs_first"] == 1.0 and all(r["generate_s"] > 0 for r in rows)

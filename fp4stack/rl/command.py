@@ -42,6 +42,12 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES,
                    help="rollout engine: fast (static KV cache, CUDA-graph steps), reference, "
                         "or auto (fast for fp4stack GPT policies on CUDA; the default)")
+    p.add_argument("--engine-device",
+                   help="the rollout engine's own device, e.g. cuda:1 (default: the config's; "
+                        "'same' is the trainer's)")
+    p.add_argument("--off-policy", type=int, choices=(0, 1),
+                   help="1: sample the next step's rollouts while this step trains (one step "
+                        "of policy lag; overlaps rollout and training on two devices)")
     p.add_argument("--out", help="output directory; {rollout} and {trainer} are filled in")
 
 
@@ -79,7 +85,8 @@ def run_rl_command(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args, rollout=args.rollout, trainer=args.trainer,
                       correction=args.correction, routing_replay=args.routing_replay,
-                      engine=args.engine, out=args.out)
+                      engine=args.engine, engine_device=args.engine_device,
+                      off_policy=args.off_policy, out=args.out)
         result = run_rl(cfg)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl", e)

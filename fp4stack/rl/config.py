@@ -11,6 +11,7 @@ from typing import Any
 from ..config_fields import check_float, check_int, check_keys, read_yaml, suggest
 from .fast_rollout import ENGINES
 from .rollout import PRECISIONS
+from .schedule import OFF_POLICY
 
 TRAINERS = ("bf16", "qat-w")
 CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
@@ -41,6 +42,11 @@ class RLConfig:
     # policies only: kind gpt or as_gpt), "reference" (RolloutEngine, eager) or "auto": fast on
     # CUDA for GPT policies
     engine: str = "auto"
+    # engine_device: the rollout engine's own device ("same": the trainer's; e.g. cuda:1 on a
+    # host of two GPUs: the refit is a device-to-device copy, self-checked as always).
+    # off_policy: 1 samples step s+1's rollouts while step s trains (one step of policy lag).
+    engine_device: str = "same"
+    off_policy: int = 0
     trainer: str = "qat-w"  # bf16 or qat-w
     correction: str = "none"  # rollout correction: none, token-tis, token-mis, seq-tis, seq-mis
     correction_cap: float = 2.0
@@ -87,6 +93,12 @@ class RLConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got "
                                  f"{getattr(self, name)!r}")
+        if self.off_policy not in OFF_POLICY:
+            raise ValueError(f"off_policy must be 0 (on-policy) or 1 (rollouts sampled one step "
+                             f"ahead, while the trainer trains), got {self.off_policy!r}")
+        if not isinstance(self.engine_device, str):
+            raise ValueError(f"engine_device must be 'same' or a device name (cpu, cuda:1), got "
+                             f"{self.engine_device!r}")
         for name, minimum in (("sft_steps", 0), ("sft_batch_size", 1), ("steps", 1),
                               ("prompts_per_step", 1), ("group_size", 2),
                               ("micro_batch_size", 1), ("max_new_tokens", 1),

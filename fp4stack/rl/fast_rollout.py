@@ -44,7 +44,7 @@ from ..models.gpt import GPT
 from ..models.static_cache import StaticKVCache, decode_mask
 from ..nn.fused_projections import fuse_projections as fuse
 from . import policy as lm
-from .rollout import Rollout, RolloutEngine, top_p_sorted
+from .rollout import Rollout, RolloutEngine, on_own_device, top_p_sorted
 
 ENGINES = ("auto", "fast", "reference")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # then multiples of 256
@@ -261,7 +261,9 @@ class FastRolloutEngine(RolloutEngine):
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: a trainer working in another thread meanwhile (off_policy: 1) does
+            # not invalidate the capture; the graph's allocations stay on its capture stream.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._decode(s)
         except RuntimeError as e:
             warnings.warn(f"FastRolloutEngine: the decoding step could not be captured in a "
@@ -282,6 +284,7 @@ class FastRolloutEngine(RolloutEngine):
 
     # ---- generate --------------------------------------------------------------------------
     @torch.no_grad()
+    @on_own_device
     def generate(self, prompts: list[list[int]], generator: torch.Generator | None = None,
                  record: bool = False) -> Rollout:
         """As RolloutEngine.generate. record=True needs logprobs="score" here (the routing is
@@ -328,9 +331,10 @@ class FastRolloutEngine(RolloutEngine):
 
 
 def resolve_engine(kind: str, model: nn.Module, *, logprobs: str = "score",
-                   record: bool = False) -> str:
+                   record: bool = False, device: torch.device | str | None = None) -> str:
     """"fast" or "reference" for engine option `kind`: "auto" is fast for fp4stack GPT policies
-    on CUDA (unless routing must be recorded with logprobs="sample"), reference otherwise."""
+    on CUDA (the engine's `device`, else the model's; unless routing must be recorded with
+    logprobs="sample"), reference otherwise."""
     if kind not in ENGINES:
         raise ValueError(f"engine must be one of {list(ENGINES)}, got {kind!r}")
     if kind == "reference":
@@ -345,7 +349,7 @@ def resolve_engine(kind: str, model: nn.Module, *, logprobs: str = "score",
                              "routing replay with logprobs 'sample' needs engine 'reference' "
                              "(or logprobs 'score')")
         return kind
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    on_cuda = torch.device(device or next(model.parameters()).device).type == "cuda"
     return "fast" if isinstance(model, GPT) and on_cuda and not sample_record else "reference"
 
 
@@ -356,7 +360,8 @@ def build_engine(kind: str, model: nn.Module, tokenizer: lm.TokenizerLike,
     built from the unconverted policy. kwargs go to either engine's constructor, fast_options
     (use_cuda_graph, eos_check_every, max_slots, compile_step, fuse_projections) to the fast one
     only; record: whether generate will be asked to record MoE routing."""
-    chosen = resolve_engine(kind, model, logprobs=kwargs.get("logprobs", "score"), record=record)
+    chosen = resolve_engine(kind, model, logprobs=kwargs.get("logprobs", "score"), record=record,
+                            device=kwargs.get("device"))
     if chosen == "fast":
         return FastRolloutEngine(model, tokenizer, precision, **(fast_options or {}), **kwargs)
     return RolloutEngine(model, tokenizer, precision, **kwargs)

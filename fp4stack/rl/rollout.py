@@ -23,6 +23,7 @@ temperature-scaled distribution, before top-p truncation, which is what the trai
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,17 @@ class Rollout:
     def response_lengths(self) -> Tensor:
         return self.response_mask.sum(-1)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with every tensor on `device` (itself when they are there)."""
+        device = torch.device(device)
+        if self.tokens.device == device:
+            return self
+        routing = (None if self.routing is None
+                   else {k: v.to(device) for k, v in self.routing.items()})
+        return Rollout(self.tokens.to(device), self.mask.to(device),
+                       self.response_mask.to(device), self.logprobs.to(device), self.prompt_len,
+                       routing)
+
 
 def top_p_sorted(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
     """(probabilities sorted descending with all but the smallest set reaching top_p zeroed,
@@ -85,6 +97,19 @@ def sample_next(logits: Tensor, temperature: float, top_p: float,
             probs = probs.scatter(-1, order, kept)
         nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
+def on_own_device(method):
+    """Run an engine method with the engine's GPU as the current CUDA device: a CUDA graph is
+    captured on the current device's streams, and the engine may live on another GPU than the
+    trainer (engine_device), driven from another thread (whose current device is its own)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+    return run
 
 
 def _drop_forward_results(model: nn.Module) -> None:
@@ -118,7 +143,8 @@ class RolloutEngine:
     def __init__(self, model: nn.Module, tokenizer: lm.TokenizerLike, precision: str = "quads", *,
                  temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 32,
                  logprobs: str = "score", compensation: float | int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
         if logprobs not in ("score", "sample"):
@@ -131,6 +157,8 @@ class RolloutEngine:
         self.logprobs = logprobs
         _drop_forward_results(model)
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        if device is not None:  # the engine's own device (None: the policy's)
+            self.model.to(device)
         if dtype is not None:
             self.model.to(dtype)  # before packing: packed data, scales and amax keep their dtypes
             _restore_constants(self.model, model)
@@ -150,6 +178,7 @@ class RolloutEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @on_own_device
     def sync(self, trainer: nn.Module) -> int:
         """Refit from `trainer` and self-check; returns the number of tensors verified."""
         checked = load_weights(self.model, export_weights(trainer, self.model, self.amax_groups))
@@ -172,6 +201,7 @@ class RolloutEngine:
         return tokens.to(self.device), mask.to(self.device)
 
     @torch.no_grad()
+    @on_own_device
     def generate(self, prompts: list[list[int]], generator: torch.Generator | None = None,
                  record: bool = False) -> Rollout:
         """Sample one response per prompt (repeat a prompt G times for a GRPO group).

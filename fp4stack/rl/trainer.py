@@ -33,6 +33,7 @@ from .grpo_loss import group_advantages, grpo_loss, rollout_correction
 from .metrics import MismatchAlarm, activation_errors, mismatch_metrics
 from .policies import build_policy, encode_example, sft_warmup
 from .rollout import Rollout, RolloutEngine
+from .schedule import RolloutSource
 
 SFT_FILE = "sft_policy.pt"
 
@@ -183,11 +184,13 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     torch.manual_seed(cfg.seed)
     task = load_task(cfg.task, **cfg.task_options)
     base, tokenizer = prepare_policy(cfg, task, device, Path(cache_dir) if cache_dir else out, log)
-    dtype = torch.bfloat16 if device.type == "cuda" else None
+    engine_device = (device if cfg.engine_device == "same"
+                     else resolve_device(cfg.engine_device))
+    dtype = torch.bfloat16 if engine_device.type == "cuda" else None
     engine = build_engine(cfg.engine, base, tokenizer, cfg.rollout, record=cfg.routing_replay,
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           max_new_tokens=cfg.max_new_tokens, logprobs=cfg.logprobs,
-                          compensation=cfg.compensation, dtype=dtype)
+                          compensation=cfg.compensation, dtype=dtype, device=engine_device)
     ref = None
     if cfg.kl_coef > 0:
         import copy
@@ -201,9 +204,15 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     logger = MetricsLogger(out, enabled=True, tensorboard=True)
     test = task.test_set()[:cfg.eval_size]
     stream = task.train_examples(cfg.seed)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    generator = torch.Generator(device=engine_device).manual_seed(cfg.seed)
+    source = RolloutSource(
+        engine, lambda: [e for e in (next(stream) for _ in range(cfg.prompts_per_step))
+                         for _ in range(cfg.group_size)],
+        lambda e: encode_example(tokenizer, e.prompt)[0], generator, device,
+        record=cfg.routing_replay, off_policy=cfg.off_policy)
     kind = "fast" if isinstance(engine, FastRolloutEngine) else "reference"
-    log(f"rl: task {cfg.task}, rollout {cfg.rollout} (engine {kind}), trainer {cfg.trainer}, "
+    log(f"rl: task {cfg.task}, rollout {cfg.rollout} (engine {kind} on {engine_device}"
+        f"{', one step ahead' if cfg.off_policy else ''}), trainer {cfg.trainer} on {device}, "
         f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "
         f"samples, {cfg.steps} steps, out {out}")
     engine.sync(model)
@@ -221,24 +230,23 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
             # run ends with a whole step and its final evaluation.
             last = step == cfg.steps or (
                 cfg.max_minutes > 0 and t0 - start + step_s > 60 * cfg.max_minutes)
-            examples = [next(stream) for _ in range(cfg.prompts_per_step)]
-            group = [e for e in examples for _ in range(cfg.group_size)]
-            prompts = [encode_example(tokenizer, e.prompt)[0] for e in group]
-            rollout = engine.generate(prompts, generator, record=cfg.routing_replay)
+            batch = source.next(prefetch=not last)
+            group, rollout = batch.group, batch.rollout
             texts = [tokenizer.decode(r) for r in rollout.responses()]
             rewards = torch.tensor([task.score(t, e) for t, e in zip(texts, group, strict=True)],
                                    device=device)
             adv = group_advantages(rewards, cfg.group_size)
             lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref)
             mism = mismatch_metrics(lp, rollout.logprobs, rollout.response_mask)
-            checked = engine.sync(model)
+            checked = source.sync(model)
             resp = rollout.response_mask
             record = {"step": step, "reward": rewards.mean().item(), **mism,
                       "entropy": float((entropy * resp).sum() / resp.sum().clamp(min=1)),
                       "response_len": rollout.response_lengths.float().mean().item(),
                       **{k: stats[k] for k in ("loss", "clip_frac", "grad_norm", "skipped")
                          if k in stats},
-                      "synced_tensors": checked, "step_s": time.perf_counter() - t0}
+                      "synced_tensors": checked, "generate_s": batch.generate_s,
+                      "rollout_wait_s": batch.wait_s, "step_s": time.perf_counter() - t0}
             step_s = record["step_s"]
             if cfg.activation_error_every and (step % cfg.activation_error_every == 0 or last):
                 record.update(_activation_error(model, rollout, cfg, step, out))
@@ -264,10 +272,12 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                     log(f"time limit of {cfg.max_minutes:g} min: stopping after step {step}")
                 break
     finally:
+        source.close()
         logger.close()
     k3 = [r["k3"] for r in history]
     result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "correction": cfg.correction,
               "compensation": cfg.compensation, "seed": cfg.seed,
+              "engine_device": str(engine_device), "off_policy": cfg.off_policy,
               "steps": len(history), "final_reward": history[-1]["reward"],
               "start_pass_at_1": start_pass1,
               "final_pass_at_1": pass1, "k3_mean": sum(k3) / len(k3),
@@ -275,6 +285,7 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
               "dlogp_max_mean": statistics.fmean(r["logp_diff_max"] for r in history),
               "dlogp_max_max": max(r["logp_diff_max"] for r in history),
               "dlogp_mean": statistics.fmean(r["logp_diff_mean"] for r in history),
+              "step_s_median": statistics.median(r["step_s"] for r in history),
               "wall_s": time.perf_counter() - start, "device": str(device), "out": str(out)}
     if not all(math.isfinite(v) for v in k3):
         result["k3_nonfinite"] = True

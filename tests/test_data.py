@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fp4stack.cli import main
 from fp4stack.data import EOT, TokenShards, build_dataset, corpus, load_tokenizer
@@ -149,6 +150,22 @@ def test_shards_readable(built):
     x, y = TokenShards(out, "train").train_batch(0, batch_size=4, seq_len=32)
     assert x.shape == y.shape == (4, 32) and (x[:, 1:] == y[:, :-1]).all()
     assert next(TokenShards(out, "val").val_batches(2, 16, 1))[0].shape == (2, 16)
+
+
+def test_ranks_take_whole_micro_batches_of_the_global_batch(built):
+    """Rank r of w gets micro-batches r, r + w, ... (each the rows one process puts there), so
+    the ranks' rows together are the global batch's; a global batch that is not whole
+    micro-batches on every rank is refused."""
+    shards = TokenShards(built[1], "train")
+    whole, _ = shards.train_batch(3, batch_size=12, seq_len=8, micro_batch_size=2)
+    micro = whole.reshape(6, 2, 8)
+    for world in (1, 3):
+        for rank in range(world):
+            x, _ = shards.train_batch(3, batch_size=12, seq_len=8, rank=rank, world_size=world,
+                                      micro_batch_size=2)
+            assert torch.equal(x.reshape(-1, 2, 8), micro[rank::world])
+    with pytest.raises(ValueError, match="world_size 2 x micro_batch_size 4"):
+        shards.train_batch(0, batch_size=12, seq_len=8, world_size=2, micro_batch_size=4)
 
 
 def test_max_chars_and_min_val_tokens(tmp_path, texts):

@@ -7,8 +7,15 @@ micro-batches, then the all-reduce or reduce-scatter). That rounds differently b
 per operation; after a few AdamW steps the losses differ by ~2e-7 relative and the gradient norms
 by ~3e-6 (measured). The tolerances below (1e-5 on losses, 1e-4 on gradient norms and weights)
 leave a margin of ~30x while still catching any real divergence (a wrong row split, a missing
-all-reduce or a doubled gradient move the loss by > 1e-3 within two steps). Dense bf16 only: an
-MoE's load-balance loss is not a sum over rows, so its distributed gradient differs by design.
+all-reduce or a doubled gradient move the loss by > 1e-3 within two steps).
+
+Each rank runs whole micro-batches of the global batch, the same rows a single process puts in
+each, with stochastic rounding drawn from a stream named by (seed, step, micro-batch): so an FP4
+recipe's quantizers (per-tensor activation scales over a micro-batch's rows, the whole weight's
+amax under FSDP2's sharding, stochastically rounded gradients) and an MoE's load-balance loss
+compute the same values as in one process, and the runs agree as closely as BF16's until a
+value near a rounding boundary of the quantizer flips (measured: never in six DDP steps of
+nvfp4-nvidia; from step 4 under FSDP2, moving the loss by ~1e-4).
 """
 
 from __future__ import annotations
@@ -29,13 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
-def write_config(root: Path, data: Path) -> Path:
+def write_config(root: Path, data: Path, model: str = "preset: tiny", recipe: str = "bf16"
+                 ) -> Path:
     path = root / "dist.yaml"
     path.write_text(
-        "model: {preset: tiny, dim: 32, n_layers: 3, n_heads: 2, n_kv_heads: 1, ffn_hidden: 64}\n"
+        f"model: {{{model}, dim: 32, n_layers: 3, n_heads: 2, n_kv_heads: 1, ffn_hidden: 64}}\n"
         f"data: {data}\nseq_len: 32\nglobal_batch_size: 8\nmicro_batch_size: 2\n"
         f"lr: 1.0e-2\nmin_lr: 1.0e-3\nwarmup_steps: 2\nmax_steps: {STEPS}\neval_every: 3\n"
-        "eval_batches: 2\nlog_every: 1\nckpt_every: 3\nrecipe: bf16\ntensorboard: false\n"
+        f"eval_batches: 3\nlog_every: 1\nckpt_every: 3\nrecipe: {recipe}\ntensorboard: false\n"
         "device: cpu\n")
     return path
 
@@ -60,15 +68,21 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "fsdp2": root / "fsdp2"}
 
 
-def assert_close_runs(a: list[dict], b: list[dict]) -> None:
+def assert_close_runs(a: list[dict], b: list[dict], exact_steps: int = STEPS,
+                      flipped: float = 1e-3) -> None:
+    """Losses within 1e-5 and gradient norms within 1e-4 (fp32 sum order) for the first
+    `exact_steps` steps; after them, within `flipped` (a quantized value has flipped)."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4), ra["step"]
+        exact = ra["step"] <= exact_steps
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5 if exact else flipped), ra
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"],
+                                                rel=1e-4 if exact else 10 * flipped), ra
         assert rb["lr"] == ra["lr"]
         assert ("val_loss" in ra) == ("val_loss" in rb)
         if "val_loss" in ra:
-            assert rb["val_loss"] == pytest.approx(ra["val_loss"], rel=1e-5)
+            assert rb["val_loss"] == pytest.approx(ra["val_loss"],
+                                                   rel=1e-5 if exact else flipped)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -97,3 +111,15 @@ def test_fsdp2_checkpoint_resumes_in_one_process(runs):
     train(load_config(runs["config"], out=str(runs["single"]), **more), resume=True)
     train(load_config(runs["config"], out=str(runs["fsdp2"]), **more), resume=True)
     assert_close_runs(read_metrics(runs["single"]), read_metrics(runs["fsdp2"]))
+
+
+def test_fp4_moe_runs_match_one_process(tmp_path):
+    """nvfp4-nvidia (2-D weight blocks, stochastically rounded gradients, Hadamard-transformed
+    wgrad operands) on an MoE: both wrappings equal one process as BF16 does, to step 3."""
+    config = write_config(tmp_path, make_data(tmp_path / "data"),
+                          model="preset: tiny-moe, moe_hidden: 32", recipe="nvfp4-nvidia")
+    train(load_config(config, out=str(tmp_path / "single")))
+    single = read_metrics(tmp_path / "single")
+    for mode in ("ddp", "fsdp2"):
+        torchrun(config, tmp_path / mode, mode)
+        assert_close_runs(single, read_metrics(tmp_path / mode), exact_steps=3)

@@ -94,3 +94,13 @@ def test_draw_seed_follows_torch_generator():
     assert a != b and 0 <= a < 2**62
     g = torch.Generator().manual_seed(3)
     assert rnd.draw_seed(g) == a
+
+
+def test_stream_seed_is_a_pure_function_of_its_keys():
+    """The seed of a micro-batch's stochastic-rounding stream: the same keys in any process,
+    63 bits (torch's generator takes it), different keys apart."""
+    from fp4stack.formats.random import stream_seed
+
+    seeds = {stream_seed(0, step, j) for step in range(20) for j in range(8)}
+    assert len(seeds) == 160 and all(0 <= s < 2**63 for s in seeds)
+    assert stream_seed(5, 7, 3) == stream_seed(5, 7, 3) != stream_seed(5, 3, 7)

@@ -40,8 +40,11 @@ class TokenShards:
     """One split of a data directory, served as [batch, seq_len + 1] windows of token ids.
 
     Training batches: window starts drawn by a generator seeded from (seed, step), so batch
-    `step` is the same in every run; rank r of w takes rows r::w of the global batch, so a
-    distributed run sees exactly the tokens of a single-process run with the same global batch.
+    `step` is the same in every run. With `micro_batch_size` m, the global batch is micro-batches
+    of m consecutive rows and rank r of w takes micro-batches r, r + w, ...: a distributed run
+    sees exactly the tokens of a single-process run with the same global batch, each
+    micro-batch the same rows, so the quantizers of a micro-batch's forward (whose activation
+    scales depend on all its rows) compute the same values on any number of ranks.
     Validation batches: fixed, contiguous, non-overlapping windows from the start of the split.
     """
 
@@ -80,17 +83,20 @@ class TokenShards:
         return torch.from_numpy(np.stack(rows))
 
     def train_batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0,
-                    rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) [batch_size // world_size, seq_len] of global batch `step`."""
-        if batch_size % world_size:
+                    rank: int = 0, world_size: int = 1, micro_batch_size: int = 1
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) [batch_size // world_size, seq_len] of global batch `step`: this
+        rank's micro-batches, in order."""
+        if batch_size % (world_size * micro_batch_size):
             raise ValueError(f"batch_size {batch_size} is not divisible by world_size "
-                             f"{world_size}")
+                             f"{world_size} x micro_batch_size {micro_batch_size}")
         hi = len(self.tokens) - seq_len - 1
         if hi <= 0:
             raise ValueError(f"split has {len(self.tokens)} tokens, fewer than seq_len + 1 = "
                              f"{seq_len + 1}")
         rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, hi, size=batch_size)[rank::world_size]
+        starts = rng.integers(0, hi, size=batch_size).reshape(-1, micro_batch_size)
+        starts = starts[rank::world_size].reshape(-1)
         w = self._windows(starts, seq_len)
         return w[:, :-1], w[:, 1:]
 

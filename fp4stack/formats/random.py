@@ -75,6 +75,15 @@ def uniform(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     return bits.to(torch.float32) * (2.0**-UNIFORM_BITS)
 
 
+def stream_seed(*keys: int) -> int:
+    """A 63-bit seed for torch's CPU generator named by non-negative integer keys (a run's
+    seed, a step, a micro-batch): the same keys give the same stream in any process, so the
+    stochastic rounding of a micro-batch does not depend on which rank runs it."""
+    import numpy as np
+
+    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
+
+
 def draw_seed(generator: torch.Generator | None = None) -> int:
     """A fresh 62-bit seed from torch's CPU generator, so torch.manual_seed makes runs repeat."""
     return int(torch.randint(0, 2**62, (1,), generator=generator).item())

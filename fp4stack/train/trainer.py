@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..convert import high_precision, to_high_precision
+from ..formats.random import stream_seed
 from ..nn.operands import weight_operands_once
 from ..nn.recipe import recipe as get_recipe
 from . import distributed
@@ -49,14 +50,19 @@ class NonFiniteLossError(RuntimeError):
 
 
 def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,
-                     ddp: bool, autocast) -> torch.Tensor:
+                     ddp: bool, autocast, seeds: list[int] | None = None) -> torch.Tensor:
     """Accumulate the gradients of this rank's rows of one global batch, `micro` rows per
-    forward; returns their mean loss (detached)."""
+    forward; returns their mean loss (detached). `seeds`: one per micro-batch, the CPU
+    generator's seed before it (the stochastic rounding's seeds are drawn from it)."""
     accum = len(x) // micro
+    if seeds is not None and len(seeds) != accum:
+        raise ValueError(f"forward_backward: {len(seeds)} seeds for {accum} micro-batches")
     loss_sum = torch.zeros((), device=x.device)
     # The weights are the same for every micro-batch: their quantized operands are made once.
     with weight_operands_once():
         for i in range(accum):
+            if seeds is not None:
+                torch.default_generator.manual_seed(seeds[i])
             rows = slice(i * micro, (i + 1) * micro)
             # DDP all-reduces gradients on the last micro-batch only.
             sync = model.no_sync() if ddp and i < accum - 1 else nullcontext()
@@ -98,12 +104,17 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps)
     set_lr(run.optimizer, lr)
     x, y = run.train_data.train_batch(step, cfg.global_batch_size, cfg.seq_len, seed=cfg.seed,
-                                      rank=env.rank, world_size=env.world_size)
+                                      rank=env.rank, world_size=env.world_size,
+                                      micro_batch_size=cfg.micro_batch_size)
     if env.device.type == "cuda":
         x, y = (x.pin_memory().to(env.device, non_blocking=True),
                 y.pin_memory().to(env.device, non_blocking=True))
     ddp = env.distributed and cfg.distributed == "ddp"
-    loss = forward_backward(run.step_model, x, y, cfg.micro_batch_size, ddp, run.autocast)
+    # Micro-batch j of the global batch (this rank's i-th: j = rank + i * world) draws its
+    # stochastic rounding from a stream named by (seed, step, j): the same on any world size.
+    seeds = [stream_seed(cfg.seed, step, env.rank + i * env.world_size)
+             for i in range(len(x) // cfg.micro_batch_size)]
+    loss = forward_backward(run.step_model, x, y, cfg.micro_batch_size, ddp, run.autocast, seeds)
     loss = distributed.all_reduce_mean(loss, env)
     grad_norm = clip_gradients(run.model, cfg.grad_clip)
     loss_value, norm_value = torch.stack((loss, grad_norm.float())).tolist()

@@ -123,3 +123,16 @@ def test_fp4_moe_runs_match_one_process(tmp_path):
     for mode in ("ddp", "fsdp2"):
         torchrun(config, tmp_path / mode, mode)
         assert_close_runs(single, read_metrics(tmp_path / mode), exact_steps=3)
+
+
+def test_compiled_fsdp2_nvfp4_matches_eager_one_process(tmp_path):
+    """compile: true under FSDP2 (each rank's forward and backward through torch.compile,
+    the blocks sharded): the losses and gradient norms of one eager process."""
+    config = write_config(tmp_path, make_data(tmp_path / "data"),
+                          model="preset: tiny, n_layers: 1", recipe="nvfp4")
+    text = config.read_text().replace("n_layers: 3, ", "")
+    config.write_text(text.replace(f"max_steps: {STEPS}", "max_steps: 2"))
+    train(load_config(config, out=str(tmp_path / "single")))
+    config.write_text(config.read_text() + "compile: true\n")
+    torchrun(config, tmp_path / "fsdp2", "fsdp2")
+    assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2"))

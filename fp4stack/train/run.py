@@ -124,9 +124,6 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
         raise ValueError(f"optimizer {choice.name!r} is not supported under FSDP2 (only torch's "
                          "AdamW shards its states); use --distributed ddp, or optimizer adamw "
                          "with a recipe whose optimizer_states is fp32")
-    if cfg.compile is not False and fsdp2:
-        raise ValueError("compile is not supported under FSDP2 yet: use --distributed ddp, or "
-                         "set compile: false")
     if cfg.weight_flips and fsdp2:
         raise ValueError("weight_flips needs whole weights on each rank: use --distributed ddp "
                          "or set weight_flips: false")

@@ -251,21 +251,36 @@ def test_amax_on_both_sides_of_the_one_program_size(spec):
         assert same_values(got.reshape(-1), want.reshape(-1).float()), (rows, k)
 
 
-@pytest.mark.parametrize("here", [True, False], ids=["amax-in-quantize", "amax-launch-first"])
-@pytest.mark.parametrize("name", list(SPECS))
-def test_amax_inside_the_quantize_kernel_or_before_it(name, here, monkeypatch):
-    """A small operand's amax computed by the quantize kernel's own programs (one launch) or
-    by the amax kernel before it: the reference's bits both ways, 3-D inputs included, and a
-    NaN input refused both ways."""
+def small_operand(name: str) -> torch.Tensor:
+    return wide_range(2 * 16, 32, seed=len(name)).reshape(2, 16, 32).to(DEVICE)
+
+
+def amax_inside(monkeypatch, here: bool) -> None:
     monkeypatch.setattr(kernels, "AMAX_HERE_READS", 1 << 40 if here else 0)
-    spec = SPECS[name]
-    x = wide_range(2 * 16, 32, seed=len(name)).reshape(2, 16, 32).to(DEVICE)
-    assert kernels.amax_here(x.numel(), 4) is here
-    check_all_paths(x, spec, seed=11)
+    assert kernels.amax_here(1024, 4) is here
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_amax_inside_the_quantize_kernel(name, monkeypatch):
+    """A small operand's amax computed by the quantize kernel's own programs (one launch): the
+    reference's bits for every spec, 3-D inputs (16x16 blocks per matrix) included."""
+    amax_inside(monkeypatch, True)
+    check_all_paths(small_operand(name), SPECS[name], seed=11)
+
+
+@pytest.mark.parametrize("here", [True, False], ids=["amax-in-quantize", "amax-launch-first"])
+@pytest.mark.parametrize("name", ["rne", "2d", "row"])
+def test_amax_inside_or_before_with_nan(name, here, monkeypatch):
+    """Both ways of a small operand's amax (inside the quantize kernel, or the amax kernel's
+    launch first): the reference's bits, a NaN propagated as the reference propagates it, and
+    refused under the default policy."""
+    amax_inside(monkeypatch, here)
+    x = small_operand(name)
+    check_all_paths(x, SPECS[name], seed=11)
     x[1, 7, 3] = float("nan")
-    check_all_paths(x, replace(spec, nan_policy="propagate"), seed=11)
+    check_all_paths(x, replace(SPECS[name], nan_policy="propagate"), seed=11)
     with pytest.raises(ValueError, match="acts: 1 of 1024 values are NaN or Inf"):
-        kernels.quantize(x, spec, seed=11, name="acts")
+        kernels.quantize(x, SPECS[name], seed=11, name="acts")
 
 
 def test_non_contiguous_input():

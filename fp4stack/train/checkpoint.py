@@ -16,6 +16,7 @@ helpers, so the same files serve single-process, DDP and FSDP2 runs (and a chang
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..files import new_file_mode
-from .distributed import DistEnv, barrier, unwrap
+from .distributed import DistEnv, barrier, gather_to_main, unwrap
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -81,6 +82,17 @@ def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _gather_states(state: dict[str, Any], env: DistEnv) -> list[dict[str, Any]] | None:
+    """Every rank's state dict on the main rank, each sent as torch.save's bytes (pickled
+    tensors would unpickle onto the sending rank's GPU, and some dtypes not at all)."""
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    blobs = gather_to_main(blob.getvalue(), env)
+    if blobs is None:
+        return None
+    return [torch.load(io.BytesIO(b), map_location="cpu", weights_only=True) for b in blobs]
+
+
 def _fsync_dir_files(path: Path) -> None:
     for f in path.iterdir():
         with f.open("rb") as fh:
@@ -101,6 +113,8 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: torch
     model_sd = get_model_state_dict(model, options=options)
     optim_sd = (get_optimizer_state_dict(model, optimizer, options=options)
                 if _by_name(optimizer) else optimizer.state_dict())
+    if getattr(optimizer, "shard_local", False):  # each rank's own states, gathered on rank 0
+        optim_sd = {"shard_local": _gather_states(optim_sd, env), "world_size": env.world_size}
     root = Path(out_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
@@ -157,6 +171,18 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if _by_name(optimizer):
         set_optimizer_state_dict(model, optimizer, optim_sd,
                                  options=StateDictOptions(full_state_dict=True))
+    elif getattr(optimizer, "shard_local", False) or "shard_local" in optim_sd:
+        ranks = optim_sd.get("shard_local")
+        sharded_here = getattr(optimizer, "shard_local", False)
+        if ranks is None or not sharded_here or len(ranks) != env.world_size:
+            saved = (f"sharded over {len(ranks)} FSDP2 ranks" if ranks is not None
+                     else "unsharded (a single-process or DDP run)")
+            here = (f"{env.world_size} FSDP2 ranks" if sharded_here
+                    else f"{env.world_size} process(es) without FSDP2")
+            raise ValueError(f"{path / 'optimizer.pt'} holds NVFP4 optimizer states {saved}; "
+                             f"this run has {here}: resume it as it was saved (the same "
+                             "number of processes and --distributed)")
+        optimizer.load_state_dict(ranks[env.rank])
     else:
         optimizer.load_state_dict(optim_sd)
     rng = path / f"rng_rank{env.rank}.pt"

@@ -81,6 +81,16 @@ def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return values
 
 
+def gather_to_main(obj: object, env: DistEnv) -> list[object] | None:
+    """Every rank's picklable `obj`, in rank order, on the main rank (None elsewhere); [obj]
+    in a single process."""
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def wrap(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
     """DDP, or FSDP2 (`fully_shard` on every transformer block, then on the root).
 

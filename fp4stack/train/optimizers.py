@@ -127,27 +127,48 @@ def optimizer_of(cfg: PretrainConfig) -> OptimizerChoice:
     return resolve_optimizer(cfg.optimizer, get_recipe(cfg.recipe).optimizer_states)
 
 
+# The optimizers FSDP2 can shard: torch's AdamW (DTensor-aware), and AdamW4 stepping each
+# rank's rows (optim.shard_local); Muon's and ROOT's Newton-Schulz needs whole matrices.
+SHARDABLE = (OptimizerChoice("adamw", "fp32"), OptimizerChoice("adamw", "nvfp4"))
+
+
 def build_optimizer(model: nn.Module, choice: OptimizerChoice, *, lr: float,
                     betas: tuple[float, float], eps: float, weight_decay: float, muon_lr: float,
-                    seed: int, fused: bool = False,
-                    adamw4_transform: str | None = None) -> torch.optim.Optimizer:
+                    seed: int, fused: bool = False, adamw4_transform: str | None = None,
+                    shard_local: bool = False, rank: int = 0, world_size: int = 1
+                    ) -> torch.optim.Optimizer:
     """The optimizer `choice` over `model`'s trainable parameters; fused: torch's fused AdamW
-    kernel (CUDA); adamw4_transform: how its AdamW4 part stores v (None: the default)."""
+    kernel (CUDA); adamw4_transform: how its AdamW4 part stores v (None: the default);
+    shard_local: over the local shards of FSDP2's parameters (rank of world_size; see
+    optim.shard_local), for an element-wise choice of SHARDABLE."""
     _, build = TABLE[(choice.optimizer, choice.states)]
-    opt = build(model, param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
-                weight_decay=weight_decay, muon_lr=muon_lr, seed=seed, fused=fused,
-                adamw4_transform=adamw4_transform)
+    groups = param_groups(model, weight_decay)
+    options = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, muon_lr=muon_lr,
+                   seed=seed, fused=fused, adamw4_transform=adamw4_transform)
+    if shard_local:
+        if choice not in SHARDABLE:
+            raise ValueError(f"optimizer {choice.name!r} cannot step FSDP2 shards: its update "
+                             "of an element reads other rows")
+        from ..optim.shard_local import ShardLocal
+
+        for group in groups:
+            group.update(seed=seed, lr_scale=1.0)
+        return ShardLocal(groups, lambda local: build(model, local, **options), rank,
+                          world_size)
+    opt = build(model, groups, **options)
     for group in opt.param_groups:
         group.setdefault("lr_scale", 1.0)
     return opt
 
 
-def build_from_config(model: nn.Module, cfg: PretrainConfig, *,
-                      fused: bool = False) -> torch.optim.Optimizer:
+def build_from_config(model: nn.Module, cfg: PretrainConfig, *, fused: bool = False,
+                      shard_local: bool = False, rank: int = 0,
+                      world_size: int = 1) -> torch.optim.Optimizer:
     """build_optimizer with the optimizer and hyperparameters of `cfg`."""
     return build_optimizer(model, optimizer_of(cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
-                           fused=fused, adamw4_transform=cfg.adamw4_transform)
+                           fused=fused, adamw4_transform=cfg.adamw4_transform,
+                           shard_local=shard_local, rank=rank, world_size=world_size)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

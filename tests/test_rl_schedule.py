@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from test_rl import tiny_config as rl_config
 
 from fp4stack.data.char_tokenizer import CharTokenizer
 from fp4stack.models import GPT, GPTConfig
@@ -116,11 +117,8 @@ def test_a_failed_generation_surfaces_in_the_trainer():
 
 
 def tiny_config(tmp_path, **overrides) -> RLConfig:
-    base = dict(policy={"kind": "gpt", "preset": "tiny-moe", "moe_hidden": 64},
-                task="arithmetic:add", task_options={"level": 1, "n_test": 25}, sft_steps=2,
-                steps=3, prompts_per_step=4, group_size=4, max_new_tokens=3, eval_every=2,
-                eval_size=8, out=str(tmp_path / "{rollout}"), device="cpu")
-    return RLConfig(**{**base, **overrides})
+    return rl_config(tmp_path, **{"sft_steps": 2, "prompts_per_step": 4, "eval_every": 2,
+                                  "eval_size": 8, **overrides})
 
 
 def test_off_policy_run_is_reproducible_and_logs_its_timings(tmp_path):

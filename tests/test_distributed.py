@@ -141,15 +141,22 @@ def test_compiled_fsdp2_nvfp4_matches_eager_one_process(tmp_path):
     assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2"))
 
 
-def test_fsdp2_shards_adamw4_states_and_resumes_them_exactly(tmp_path):
-    """AdamW4 under FSDP2 steps each rank's rows with their own NVFP4 moments: training
-    follows one process's AdamW4 (the same method at another scale granularity), the
-    checkpoint holds both ranks' NVFP4 states, and a resume continues bit for bit; a single
-    process cannot take those states."""
+# Where each optimizer keeps a rank's NVFP4 states in its state_dict, and one such state's key.
+PACKED = {"adamw4": (lambda sd: sd["inner"]["state"], "exp_avg_sq_data"),
+          "muon4": (lambda sd: sd["state"], "momentum_data")}
+
+
+@pytest.mark.parametrize("optimizer", list(PACKED))
+def test_fsdp2_shards_nvfp4_optimizer_states_and_resumes_them_exactly(tmp_path, optimizer):
+    """AdamW4 under FSDP2 steps each rank's rows with their own NVFP4 moments; Muon4 keeps
+    each rank's rows of the momentum in NVFP4 and gathers a sharded matrix's update for its
+    Newton-Schulz step. Training follows one process's (the same methods at another scale
+    granularity), the checkpoint holds both ranks' NVFP4 states, and a resume continues bit for
+    bit; a single process cannot take those states."""
     config = write_config(tmp_path, make_data(tmp_path / "data"), recipe="nvfp4")
     text = config.read_text().replace("dim: 32", "dim: 64").replace("ffn_hidden: 64",
                                                                       "ffn_hidden: 256")
-    config.write_text(text + "optimizer: adamw4\nkeep_checkpoints: 4\n")
+    config.write_text(text + f"optimizer: {optimizer}\nkeep_checkpoints: 4\n")
     train(load_config(config, out=str(tmp_path / "single")))
     torchrun(config, tmp_path / "fsdp2", "fsdp2")
     single, sharded = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2")
@@ -160,8 +167,8 @@ def test_fsdp2_shards_adamw4_states_and_resumes_them_exactly(tmp_path):
                        weights_only=True)
     ranks = saved["shard_local"]
     assert [r["rank"] for r in ranks] == [0, 1] and saved["world_size"] == 2
-    packed = [k for r in ranks for st in r["inner"]["state"].values() for k in st
-              if k == "exp_avg_sq_data"]
+    states, key = PACKED[optimizer]
+    packed = [k for r in ranks for st in states(r).values() for k in st if k == key]
     assert len(packed) >= 2 * 3 * 2  # each rank: 3 blocks' MLP matrices at least
     # Resume the sharded run from its step-3 checkpoint: steps 4-6 as the uninterrupted run.
     again = tmp_path / "again"
@@ -172,7 +179,7 @@ def test_fsdp2_shards_adamw4_states_and_resumes_them_exactly(tmp_path):
     for r in sharded[3:]:
         assert (resumed[r["step"]]["loss"], resumed[r["step"]]["grad_norm"]) == (
             r["loss"], r["grad_norm"])
-    with pytest.raises(ValueError, match="sharded over 2 FSDP2 ranks; this run has 1"):
+    with pytest.raises(ValueError, match="sharded over 2 FSDP2 ranks; this run has 1 process"):
         train(load_config(config, out=str(tmp_path / "fsdp2"), max_steps=8), resume=True)
 
 

@@ -39,6 +39,7 @@ from .newton_schulz import (
     orthogonalize,
 )
 from .root_ns import NS_COEFFICIENT_KINDS, clip_outliers, ns_coefficients
+from .shard_local import ShardLocal, local_shard, shard_of
 from .state_format import StateFormat
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -160,6 +161,11 @@ class Muon4(torch.optim.Optimizer):
     (ROOT's soft-threshold split, optim/root_ns.clip_outliers). Both may differ per group.
     adamw_state_format: the StateFormat of the AdamW4 part (quantize=True; None: its default).
 
+    FSDP2's sharded parameters (DTensors on one 1-D mesh) are stepped where they live: the
+    momentum half on each rank's rows (an NVFP4 momentum of its own per rank), Newton-Schulz on
+    each 2-D matrix's update gathered whole, every rank adding its rows of the result; a 3-D
+    stack is sharded by whole experts. Its state_dict is then this rank's (with its rank).
+
     Which parameters get AdamW: `adamw_params` (tensors or groups), groups of `params` marked
     {"use_muon": False}, and every parameter of `params` with fewer than 2 or more than 3 dims.
     `split_params(model)` makes the usual split. LR schedulers see all groups; an AdamW group's
@@ -220,8 +226,12 @@ class Muon4(torch.optim.Optimizer):
         self.adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                    weight_decay=adamw_weight_decay, use_muon=False)
         self.adamw: torch.optim.Optimizer | None = None
+        groups = _route(params, adamw_params)
+        # (rank, world size) when the parameters are FSDP2's shards (DTensors), else None.
+        self._shard = shard_of([p for g in groups for p in g["params"]])
+        self.shard_local = self._shard is not None
         # Empty torch defaults: each group is filled from the defaults of its own kind instead.
-        super().__init__(_route(params, adamw_params), {})
+        super().__init__(groups, {})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         kind = param_group.setdefault("use_muon", True)
@@ -241,7 +251,11 @@ class Muon4(torch.optim.Optimizer):
         elif self.quantize:
             fmt = {} if self.adamw_state_format is None else {
                 "state_format": self.adamw_state_format}
-            self.adamw = AdamW4([inner], seed=self.seed, **fmt)
+            if self._shard is None:
+                self.adamw = AdamW4([inner], seed=self.seed, **fmt)
+            else:  # FSDP2's shards: AdamW4 steps this rank's rows (optim.shard_local)
+                self.adamw = ShardLocal([{**inner, "seed": self.seed}],
+                                        lambda groups: AdamW4(groups, **fmt), *self._shard)
         else:
             self.adamw = torch.optim.AdamW([inner], foreach=False)
 
@@ -270,8 +284,9 @@ class Muon4(torch.optim.Optimizer):
         return loss
 
     def _momentum_step(self, p: Tensor, group: dict[str, Any], index: int) -> Tensor:
-        """The momentum and weight-decay half of p's step; returns its update U (fp32)."""
-        grad = p.grad
+        """The momentum and weight-decay half of p's step; returns its update U (fp32), of p's
+        local rows when p is sharded (FSDP2's DTensor)."""
+        grad = local_shard(p.grad)
         if grad.is_sparse:
             raise RuntimeError("Muon4 does not support sparse gradients")
         if torch.is_complex(p):
@@ -283,40 +298,46 @@ class Muon4(torch.optim.Optimizer):
         step = int(state["step"].item())
         mu = group["momentum"]
         g = grad.float()
-        buf = self._load_momentum(p, state)
+        local = local_shard(p)
+        buf = self._load_momentum(local, state)
         buf.lerp_(g, 1 - mu)
         update = g.lerp(buf, mu) if group["nesterov"] else buf
         if self.quantize_state:
-            self._store_momentum(p, state, buf, index, step)
+            self._store_momentum(local, state, buf, self._seed_index(index), step)
         else:
             state["momentum_buffer"] = buf
-        p.mul_(1 - group["lr"] * group["weight_decay"])
+        local.mul_(1 - group["lr"] * group["weight_decay"])
         return update
+
+    def _seed_index(self, index: int) -> int:
+        # A sharded momentum's rounding draws differ per rank (each rank's rows are their own
+        # NVFP4 tensors): the rank is folded into the parameter's index.
+        return index if self._shard is None else index * self._shard[1] + self._shard[0]
 
     def _orthogonal_steps(self, updates: list[tuple[Tensor, Tensor]],
                           group: dict[str, Any]) -> None:
         """W <- W - adjusted_lr * NS(U) for each (p, U) of a group: per matrix, or with
         batched_ns the matrices of each shape as one stack (a lone matrix on its own)."""
-        by_shape: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}
+        by_shape: dict[tuple[int, int], list[tuple[Callable, Tensor]]] = {}
         for p, update in updates:
             rows, cols = p.shape[-2:]
-            pair = (p.view(-1, rows, cols), update.view(-1, rows, cols))
-            by_shape.setdefault((rows, cols), []).append(pair)
+            apply, whole = _whole_matrices(p, update)
+            by_shape.setdefault((rows, cols), []).append((apply, whole.view(-1, rows, cols)))
         for (rows, cols), pairs in by_shape.items():
             lr_adj = adjusted_lr(group["lr"], rows, cols, group["adjust_lr_fn"])
             # Groups saved before ROOT's options existed lack them: plain Muon.
             coefficients = ns_coefficients(group.get("ns_coefficients", "muon"), rows, cols,
                                            group["ns_steps"])
-            if not self.batched_ns or sum(len(ws) for ws, _ in pairs) == 1:
-                for ws, us in pairs:
-                    for w, u in zip(ws, us, strict=True):
-                        w.add_(self._orthogonalise(u, group, coefficients), alpha=-lr_adj)
+            if not self.batched_ns or sum(len(us) for _, us in pairs) == 1:
+                for apply, us in pairs:
+                    apply(torch.stack([self._orthogonalise(u, group, coefficients) for u in us]),
+                          -lr_adj)
                 continue
             out = self._orthogonalise(torch.cat([us for _, us in pairs]), group, coefficients)
             start = 0
-            for ws, _ in pairs:
-                ws.add_(out[start:start + len(ws)], alpha=-lr_adj)
-                start += len(ws)
+            for apply, us in pairs:
+                apply(out[start:start + len(us)], -lr_adj)
+                start += len(us)
 
     def _orthogonalise(self, u: Tensor, group: dict[str, Any],
                        coefficients: tuple[float, float, float]) -> Tensor:
@@ -364,6 +385,8 @@ class Muon4(torch.optim.Optimizer):
         sd = super().state_dict()
         if self.adamw is not None:
             sd["adamw"] = self.adamw.state_dict()
+        if self._shard is not None:  # this rank's rows: checkpoints gather every rank's
+            sd["rank"], sd["world_size"] = self._shard
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -374,6 +397,11 @@ class Muon4(torch.optim.Optimizer):
         """
         sd = dict(state_dict)
         inner = sd.pop("adamw", None)
+        shard = (sd.pop("rank", None), sd.pop("world_size", None))
+        if shard != (self._shard or (None, None)):
+            raise ValueError(f"this Muon4 state was saved from {_where(shard)}, this optimizer "
+                             f"is {_where(self._shard)}: sharded states resume as they were "
+                             "saved")
         if (inner is None) != (self.adamw is None):
             raise ValueError("state_dict and optimizer disagree on having AdamW parameters")
         super().load_state_dict(sd)
@@ -392,10 +420,38 @@ class Muon4(torch.optim.Optimizer):
                   for v in s.values() if isinstance(v, Tensor))
         if self.adamw is None:
             return own
-        if isinstance(self.adamw, AdamW4):
+        if isinstance(self.adamw, AdamW4 | ShardLocal):
             return own + self.adamw.state_bytes()
         return own + sum(v.numel() * v.element_size() for s in self.adamw.state.values()
                          for v in s.values() if isinstance(v, Tensor))
+
+
+def _whole_matrices(p: Tensor, update: Tensor) -> tuple[Callable[[Tensor, float], None], Tensor]:
+    """(apply(out, alpha): p += alpha * out, the update's whole matrices U): U is `update`
+    itself, except for a 2-D matrix FSDP2 shards by rows, whose rows are gathered from every
+    rank; its apply then adds this rank's rows of the result. (A 3-D stack is sharded by
+    whole experts, each its own matrix.)"""
+    if not hasattr(p, "device_mesh") or p.dim() != 2:
+        local = local_shard(p)
+        return (lambda out, alpha: local.add_(out.view(local.shape), alpha=alpha)), update
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh, placements = p.device_mesh, p.placements
+    whole = DTensor.from_local(update, mesh, placements, run_check=False, shape=p.shape,
+                               stride=p.stride()).full_tensor()
+    local = local_shard(p)
+
+    def apply(out: Tensor, alpha: float) -> None:
+        mine = DTensor.from_local(out.view(p.shape), mesh, [Replicate()] * mesh.ndim,
+                                  run_check=False).redistribute(mesh, placements).to_local()
+        local.add_(mine, alpha=alpha)
+
+    return apply, whole
+
+
+def _where(shard: tuple | None) -> str:
+    return ("unsharded parameters" if shard is None or shard[0] is None
+            else f"rank {shard[0]} of {shard[1]} FSDP2 ranks")
 
 
 def _adamw_hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,20 @@ def local_shard(p: Tensor) -> Tensor:
         return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
+def shard_of(params: list[Tensor]) -> tuple[int, int] | None:
+    """(rank, world size) of the mesh FSDP2 sharded `params` over (DTensors, one 1-D mesh);
+    None when none of them is sharded."""
+    meshes = {p.device_mesh for p in params if hasattr(p, "device_mesh")}
+    if not meshes:
+        return None
+    if len(meshes) > 1 or next(iter(meshes)).ndim != 1:
+        raise ValueError("the optimizer's parameters are sharded over several device meshes, or "
+                         "a mesh of more than one dimension (HSDP); one 1-D FSDP2 mesh is "
+                         "supported")
+    mesh = meshes.pop()
+    return mesh.get_local_rank(), mesh.size()
+
+
 class ShardLocal:
     """The optimizer `make(groups)` over the local shards of `groups`' parameters.
 
@@ -50,6 +64,13 @@ class ShardLocal:
         self._params: list[Tensor] = [p for g in groups for p in g["params"]]
         self._locals: list[Tensor] = []
         self._pending: dict[str, Any] | None = None
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Add a group (before the first step, when the inner optimizer is built)."""
+        if self.inner is not None:
+            raise RuntimeError("ShardLocal: groups are added before the first step")
+        self.param_groups.append(group)
+        self._params.extend(group["params"])
 
     def _build(self) -> None:
         self._locals = [local_shard(p) for p in self._params]

@@ -127,9 +127,10 @@ def optimizer_of(cfg: PretrainConfig) -> OptimizerChoice:
     return resolve_optimizer(cfg.optimizer, get_recipe(cfg.recipe).optimizer_states)
 
 
-# The optimizers FSDP2 can shard: torch's AdamW (DTensor-aware), and AdamW4 stepping each
-# rank's rows (optim.shard_local); Muon's and ROOT's Newton-Schulz needs whole matrices.
-SHARDABLE = (OptimizerChoice("adamw", "fp32"), OptimizerChoice("adamw", "nvfp4"))
+# The optimizers that do not know FSDP2's DTensor parameters; they step each rank's rows through
+# optim.shard_local. torch's AdamW and Muon4 / ROOT (which gathers each sharded matrix for its
+# Newton-Schulz step) take DTensors themselves.
+SHARD_LOCAL = (OptimizerChoice("adamw", "nvfp4"),)
 
 
 def build_optimizer(model: nn.Module, choice: OptimizerChoice, *, lr: float,
@@ -139,16 +140,13 @@ def build_optimizer(model: nn.Module, choice: OptimizerChoice, *, lr: float,
                     ) -> torch.optim.Optimizer:
     """The optimizer `choice` over `model`'s trainable parameters; fused: torch's fused AdamW
     kernel (CUDA); adamw4_transform: how its AdamW4 part stores v (None: the default);
-    shard_local: over the local shards of FSDP2's parameters (rank of world_size; see
-    optim.shard_local), for an element-wise choice of SHARDABLE."""
+    shard_local: the model is sharded by FSDP2 (this process rank of world_size): a choice
+    of SHARD_LOCAL then steps each rank's rows (optim.shard_local)."""
     _, build = TABLE[(choice.optimizer, choice.states)]
     groups = param_groups(model, weight_decay)
     options = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, muon_lr=muon_lr,
                    seed=seed, fused=fused, adamw4_transform=adamw4_transform)
-    if shard_local:
-        if choice not in SHARDABLE:
-            raise ValueError(f"optimizer {choice.name!r} cannot step FSDP2 shards: its update "
-                             "of an element reads other rows")
+    if shard_local and choice in SHARD_LOCAL:
         from ..optim.shard_local import ShardLocal
 
         for group in groups:

@@ -29,7 +29,7 @@ from .config import DATA_COMMANDS, PretrainConfig
 from .distributed import DistEnv
 from .evaluation import val_chunks
 from .metrics import MetricsLogger
-from .optimizers import SHARDABLE, OptimizerChoice, build_from_config, optimizer_of
+from .optimizers import OptimizerChoice, build_from_config, optimizer_of
 from .resume import checkpoint_to_resume
 
 
@@ -120,17 +120,12 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
         print(summary if verbose else summary.short(), flush=True)
     choice = optimizer_of(cfg)
     fsdp2 = env.distributed and cfg.distributed == "fsdp2"
-    if fsdp2 and choice not in SHARDABLE:
-        raise ValueError(f"optimizer {choice.name!r} is not supported under FSDP2: its "
-                         "Newton-Schulz step needs whole matrices, which FSDP2 shards by rows; "
-                         "use --distributed ddp, or optimizer adamw (fp32 or NVFP4 states)")
     if cfg.weight_flips and fsdp2:
         raise ValueError("weight_flips needs whole weights on each rank: use --distributed ddp "
                          "or set weight_flips: false")
     flips = WeightFlips(gpt) if cfg.weight_flips and env.is_main else None  # main logs
     model = distributed.wrap(gpt, cfg.distributed, env)
-    optimizer = build_from_config(model, cfg, fused=device.type == "cuda",
-                                  shard_local=fsdp2 and choice != OptimizerChoice("adamw", "fp32"),
+    optimizer = build_from_config(model, cfg, fused=device.type == "cuda", shard_local=fsdp2,
                                   rank=env.rank, world_size=env.world_size)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())

@@ -21,7 +21,8 @@ from fp4stack.analysis.sample_models import text_batch
 from fp4stack.formats.spec import QuantSpec
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.optim import AdamW4
-from fp4stack.optim.muon4 import NS_SPEC, Muon4, newton_schulz, split_params
+from fp4stack.optim.muon4 import NS_SPEC, Muon4, newton_schulz
+from fp4stack.optim.muon_params import split_params
 
 A, B, C = 3.4445, -4.7750, 2.0315
 SHAPES = [(96, 32), (32, 96), (64, 64), (48, 80)]  # tall, wide, square, not a multiple of 16

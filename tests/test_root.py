@@ -17,7 +17,8 @@ from fp4stack import fake_quantize
 from fp4stack.analysis.sample_models import text_batch
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.optim import ROOT, ROOT4, AdamW4, Muon4, StateFormat
-from fp4stack.optim.muon4 import NS_SPEC, split_params
+from fp4stack.optim.muon4 import NS_SPEC
+from fp4stack.optim.muon_params import split_params
 from fp4stack.optim.root_ns import (
     ROOT_TABLE,
     clip_outliers,

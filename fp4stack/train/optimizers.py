@@ -72,7 +72,8 @@ def _muon(model: nn.Module, groups: list[dict[str, Any]], *, quantize: bool, lr:
           betas: tuple[float, float], eps: float, weight_decay: float, muon_lr: float, seed: int,
           root: bool = False, adamw4_transform: str | None = None,
           **_: Any) -> torch.optim.Optimizer:
-    from ..optim.muon4 import Muon4, split_params
+    from ..optim.muon4 import Muon4
+    from ..optim.muon_params import split_params
     from ..optim.root import ROOT
 
     matrices, _ = split_params(model)

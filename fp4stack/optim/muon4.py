@@ -30,7 +30,12 @@ from ..formats.random import lowbias32_int
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from .adamw4 import AdamW4
-from .muon_params import ADJUST_LR_FNS, check_muon_group, route
+from .muon_params import (  # noqa: F401 (split_params: imported from here by users)
+    ADJUST_LR_FNS,
+    check_muon_group,
+    route,
+    split_params,
+)
 from .newton_schulz import (
     _NS_DTYPES,
     NS_SPEC,

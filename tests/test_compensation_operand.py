@@ -58,6 +58,21 @@ def test_dense_operand_is_the_definition(spec, dtype, m, k):
         assert torch.equal(got, x_tilde(x, SPECS[spec], count, norms))
 
 
+@pytest.mark.parametrize("here", [True, False], ids=["amax-in-kernel", "amax-launch-first"])
+@pytest.mark.parametrize("spec", ["tensor", "row"])
+def test_dense_amax_inside_the_first_launch_or_before_it(spec, here, monkeypatch):
+    """A small operand's amax computed by the first launch's programs (a decoding step's, one
+    launch fewer) or by the amax kernel before it: the definition's x~ both ways."""
+    from fp4stack.kernels import nvfp4 as kernels
+
+    for name in ("AMAX_HERE_READS", "INTERPRETED_AMAX_HERE_READS"):
+        monkeypatch.setattr(kernels, name, 1 << 40 if here else 0)
+    x = activations(DENSE_TILE + 3, 48, torch.float32, seed=3)
+    norms = torch.rand(48, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert torch.equal(compensated_operand(x, SPECS[spec], 5, norms),
+                       x_tilde(x, SPECS[spec], 5, norms))
+
+
 def test_dense_edges():
     spec = SPECS["tensor"]
     x = activations(7, 64, torch.float32)

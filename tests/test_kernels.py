@@ -256,7 +256,8 @@ def small_operand(name: str) -> torch.Tensor:
 
 
 def amax_inside(monkeypatch, here: bool) -> None:
-    monkeypatch.setattr(kernels, "AMAX_HERE_READS", 1 << 40 if here else 0)
+    for name in ("AMAX_HERE_READS", "INTERPRETED_AMAX_HERE_READS"):
+        monkeypatch.setattr(kernels, name, 1 << 40 if here else 0)
     assert kernels.amax_here(1024, 4) is here
 
 

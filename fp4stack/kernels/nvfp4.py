@@ -48,6 +48,9 @@ SMALL_AMAX = 1 << 16
 # ...the latter while the elements those programs read for it, together, stay this few (each
 # reads the whole tensor, or its rows whole): a few microseconds of L2 reads, one launch saved.
 AMAX_HERE_READS = 1 << 22
+# Under the interpreter each program's read of the whole tensor is a loop of numpy calls, so
+# there the amax launch goes first (the same bits; tests set this to take the other path).
+INTERPRETED_AMAX_HERE_READS = 0
 DEQUANTIZE_TILE = TileConfig()
 
 
@@ -115,7 +118,9 @@ def amax_here(numel: int, programs: int) -> bool:
     """Whether `programs` programs quantizing `numel` elements should each compute the amax
     they need themselves (see AMAX_HERE_READS): `programs` counts those reading the whole
     tensor, or for a row-scaled operand the programs along a row (each reads its rows whole)."""
-    return numel <= SMALL_AMAX and numel * programs <= AMAX_HERE_READS
+    reads = (INTERPRETED_AMAX_HERE_READS if os.environ.get("TRITON_INTERPRET") == "1"
+             else AMAX_HERE_READS)
+    return numel <= SMALL_AMAX and numel * programs <= reads
 
 
 def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:

@@ -275,6 +275,21 @@ def compile_check(quick: bool) -> list[str]:
                           HADAMARD=False, SIGN_MASK=nv.SIGN_MASK, STOCHASTIC=False,
                           FOUR_OVER_SIX=False, SCALE_MAX=448.0, FAKE=True, CHECK_FINITE=False,
                           ROW_AMAX=rows, AMAX_HERE=here)))
+    from fp4stack.kernels import compensation as comp
+
+    # QUADS's operand x~: Q(x) with the residual energies (amax before or inside), then the select
+    for here, rows, sort in ((True, False, False), (True, True, True)) if quick else (
+            (False, False, False), (True, False, False), (True, True, False), (False, True, True),
+            (True, True, True)):
+        jobs.append((f"quads quantize+energy amax_here={here} row_amax={rows} sorted={sort}",
+                     comp.quantize_energy_kernel, 4, None,
+                     dict(TILE=16, KB=comp.ENERGY_BLOCKS, SORTED=sort, ROW_AMAX=rows,
+                          FOUR_OVER_SIX=False, SCALE_MAX=448.0, AMAX_HERE=here)))
+    for sort in (False, True):
+        jobs.append((f"quads select sorted={sort}", comp.select_kernel, 4, None,
+                     dict(TILE=16, BLOCK=2048, SORTED=sort)))
+    ptrs.update(tiles_ptr="*i32", q_ptr="*bf16", sums_ptr="*fp32", norms_ptr="*fp32",
+                tile_group_ptr="*i32")
     ptrs["out_ptr"] = "*bf16"
     lines = []
     for label, fn, warps, stages, consts in jobs:

@@ -261,6 +261,15 @@ def amax_inside(monkeypatch, here: bool) -> None:
     assert kernels.amax_here(1024, 4) is here
 
 
+def test_amax_inside_only_where_each_program_reads_little(monkeypatch):
+    # Compiled kernels: one decoding row (4096 elements, 8 programs) computes its amax inside;
+    # 16 rows (65,536 elements read whole by 32 programs: 28 us slower on the H200) do not.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert kernels.amax_here(4096, 8)
+    assert not kernels.amax_here(16 * 4096, 32)
+    assert not kernels.amax_here(kernels.AMAX_HERE_ELEMENTS + 16, 1)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_amax_inside_the_quantize_kernel(name, monkeypatch):
     """A small operand's amax computed by the quantize kernel's own programs (one launch): the

@@ -39,7 +39,7 @@ from .top_mask import MAX_LENGTH, top_k_mask
 
 DENSE_TILE = 16  # rows a dense layer's programs take at once
 ENERGY_BLOCKS = 4  # 16-column blocks a quantize_energy program covers
-AMAX_BLOCKS = 32  # 16-column blocks a step of its in-kernel amax reads
+AMAX_BLOCKS = tl.constexpr(32)  # 16-column blocks a step of its in-kernel amax reads
 
 
 @triton.jit

@@ -7,7 +7,7 @@
 #   make demo               tiny pretraining comparison (bf16 / nvfp4 / lowrank) and tiny RL
 #                           comparison (bf16 / fp8 / nvfp4 / nvfp4+tis / quads), CPU, 3 to 4
 #                           minutes on 2 cores
-#   make test               ruff + pytest
+#   make test               ruff + pytest (TEST_WORKERS=2 processes)
 #   make lint               ruff only
 #   make clean              build outputs and caches (keeps the venv)
 #   make distclean          clean + remove the venv
@@ -19,6 +19,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP_FLAGS ?= -q
+# pytest processes (pytest-xdist; each test file runs whole in one of them)
+TEST_WORKERS ?= 2
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip $(PIP_FLAGS)
@@ -38,7 +40,7 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)

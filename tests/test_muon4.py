@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from ns_reference import top_eigenvalue
 from torch import nn
 
 import fp4stack.optim.newton_schulz as ns
@@ -132,15 +133,6 @@ def test_every_gemm_operand_is_nvfp4_along_the_reduction_dim(monkeypatch, shape)
 
 def q_rows(x: torch.Tensor) -> torch.Tensor:
     return fake_quantize(x.float().contiguous(), spec=NS_SPEC).double()
-
-
-def top_eigenvalue(gram: torch.Tensor, iters: int = 16) -> float:
-    """Power iteration from the all-ones vector (the documented estimate, not eigvalsh)."""
-    v = torch.ones(len(gram), dtype=gram.dtype)
-    for _ in range(iters):
-        v = gram @ v
-        v = v / v.norm()
-    return (v @ gram @ v).item()
 
 
 def nvfp4_ns_float64(g: torch.Tensor, steps: int = 5, cap: float = 1.2) -> torch.Tensor:

@@ -5,9 +5,10 @@ The stack's NVFP4 operands must be the per-matrix operands bit for bit (each mat
 with its own global amax), checked against fp4stack.fake_quantize of each matrix. The GEMMs are
 one bmm / baddbmm per GEMM of a step; on this CPU bmm sums as mm does (checked first), so both
 iterations repeat the per-matrix bits. The NVFP4 iteration's spectral cap comes from a power
-iteration run matrix by matrix with mv, as the per-matrix path runs it: batched matvecs round
-differently (relative 1e-7 to 4e-7 on the estimate), and a one-ulp change of the cap flips FP4
-roundings that the iteration then carries (bf16 outputs differed by up to 20% relative).
+iteration of two columns, a lone matrix's as a stack of one: a stack's one-column matvecs
+round otherwise than a matrix's here (relative 1e-7 to 4e-7 on the estimate), and a one-ulp
+change of the cap flips FP4 roundings that the iteration then carries (bf16 outputs differed by
+up to 20% relative), so the premise is checked for both widths.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def test_bmm_sums_as_mm_here(dtype):
     want = torch.stack([torch.addmm(z, x, y, beta=-0.5, alpha=2.0)
                         for x, y, z in zip(a, b, c, strict=True)])
     assert torch.equal(torch.baddbmm(c, a, b, beta=-0.5, alpha=2.0), want)
+    # ...and the power iteration's products of two columns each matrix's alone.
+    grams, v = torch.bmm(a, a.mT), randn(3, 40, 2, seed=4).to(dtype)
+    alone = torch.cat([torch.bmm(g[None], x[None]) for g, x in zip(grams, v, strict=True)])
+    assert torch.equal(torch.bmm(grams, v), alone)
+
+
+def test_power_iteration_of_a_stack_is_each_matrixs():
+    grams = (lambda x: x @ x.mT)(stack((40, 72)))
+    got = ns._top_eigenvalue(grams)
+    assert got.shape == (4, 1, 1)
+    assert torch.equal(got.flatten(), torch.stack([ns._top_eigenvalue(g) for g in grams]))
+    want = torch.linalg.eigvalsh(grams.double())[:, -1]
+    assert (got.flatten().double() <= want * (1 + 1e-5)).all()  # a Rayleigh quotient
+    assert torch.allclose(got.flatten().double(), want, rtol=0.06)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from ns_reference import top_eigenvalue
 
 import fp4stack.optim.newton_schulz as ns
 from fp4stack import fake_quantize
@@ -216,15 +217,6 @@ def test_stacked_experts_clip_each_matrix_on_its_own():
 
 def q_rows(x: torch.Tensor) -> torch.Tensor:
     return fake_quantize(x.float().contiguous(), spec=NS_SPEC).double()
-
-
-def top_eigenvalue(gram: torch.Tensor, iters: int = 16) -> float:
-    """Power iteration from the all-ones vector (the documented estimate the cap uses)."""
-    v = torch.ones(len(gram), dtype=gram.dtype)
-    for _ in range(iters):
-        v = gram @ v
-        v = v / v.norm()
-    return (v @ gram @ v).item()
 
 
 def nvfp4_ns64(g: torch.Tensor, coefficients, steps: int = 5, cap: float = 1.2) -> torch.Tensor:

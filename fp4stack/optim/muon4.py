@@ -100,9 +100,8 @@ class Muon4(torch.optim.Optimizer):
     batched_ns=True: the matrices of one shape in a group (2-D params and the experts of 3-D
     ones alike) are orthogonalised together (newton_schulz_batched: one batched GEMM per GEMM
     of a step, each NVFP4 operand still quantized per matrix with its own amax; on CUDA one
-    graph per stack). Its results are the per-matrix ones where bmm sums as mm does, except
-    where the power iteration's batched matvecs round the spectral cap differently (NVFP4
-    only); it holds the stack's updates and Newton-Schulz temporaries at once.
+    graph per stack). Its results are the per-matrix ones where bmm sums as mm does (the
+    CPU's); it holds the stack's updates and Newton-Schulz temporaries at once.
     ns_coefficients: "muon" (Keller Jordan's, every shape) or "root" (per matrix shape,
     optim/root_ns.root_coefficients). outlier_quantile: None (no clipping) or q in (0, 1]: U is
     replaced by clamp(U, -eps, eps), eps the q-quantile of |U| per matrix, before Newton-Schulz

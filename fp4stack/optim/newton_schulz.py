@@ -36,7 +36,7 @@ NS_SPEC = QuantSpec(nan_policy="propagate")
 # (0, 1.2] into (0, 1.2023] but diverges above ~1.27. 1.2 gave the lowest error among 1.1-1.25.
 CAP = 1.2
 # Power iterations for the Gram's top eigenvalue: with eigenvalues clustered near 1, 8 of them
-# underestimate it by up to 13%, 16 by up to 6%.
+# underestimated it by up to 13%, 16 by up to 6% (from one start vector).
 POWER_ITERS = 16
 _NS_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -121,17 +121,28 @@ def _nvfp4_gemm(left: Operand, right: Operand) -> Tensor:
 
 
 def _top_eigenvalue(gram: Tensor, iters: int = POWER_ITERS) -> Tensor:
-    """Estimate of the largest eigenvalue of a PSD matrix (power iteration: fp32 matvecs, no
-    GEMM, no host sync); of each matrix of a stack [B, n, n] as [B, 1, 1], by the same matvecs
-    one matrix at a time: a batched matvec sums in another order, and one ulp of this
-    estimate, where the cap is active, changes every FP4 rounding after it."""
-    if gram.dim() == 3:
-        return torch.stack([_top_eigenvalue(g, iters) for g in gram])[:, None, None]
-    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    """Estimate of the largest eigenvalue of a PSD matrix (0-d), or of each matrix of a stack
+    [B, n, n] (as [B, 1, 1]): power iteration in fp32 from two start vectors (all ones, and
+    alternating signs), the larger Rayleigh quotient; no host sync.
+
+    A matrix runs as a stack of one and every product is a batched GEMM of two columns: one
+    launch for the whole stack (a stack's matvecs matrix by matrix were most of Muon4's
+    launches), and a matrix's estimate is the same alone or in a stack wherever bmm computes
+    each matrix as it would alone (the CPU's, tested; with one column it does not). That
+    matters: where the cap is active, one ulp of the estimate changes every FP4 rounding
+    after it."""
+    stack = gram if gram.dim() == 3 else gram[None]
+    b, n = stack.shape[:2]
+    signs = torch.ones(n, 2, dtype=stack.dtype, device=stack.device)
+    signs[1::2, 1] = -1.0
+    v = signs.expand(b, n, 2)
     for _ in range(iters):
-        v = gram @ v
-        v = v / v.norm().clamp(min=1e-30)
-    return v @ (gram @ v)
+        v = torch.bmm(stack, v)
+        norms = torch.bmm(v.mT, v).diagonal(dim1=-2, dim2=-1).sqrt()  # [B, 2]
+        v = v / norms.clamp(min=1e-30)[:, None, :]
+    rayleigh = torch.bmm(v.mT, torch.bmm(stack, v)).diagonal(dim1=-2, dim2=-1)
+    top = rayleigh.amax(-1)
+    return top[:, None, None] if gram.dim() == 3 else top.reshape(())
 
 
 def _split_diagonal(m: Tensor) -> tuple[Tensor, Tensor]:
@@ -212,9 +223,8 @@ def newton_schulz_batched(
     """`newton_schulz` of each matrix of a stack g [B, rows, cols], all at once: each GEMM of a
     step is one batched GEMM over the stack, each NVFP4 operand is quantized per matrix (its own
     global amax, the operands of B separate calls bit for bit), the norms, power iterations and
-    spectral caps are per matrix. Where bmm sums as mm does (the CPU's, tested), the results are
-    those of B calls, except that the power iteration's batched matvecs may round differently
-    from mv: its estimate moves only the cap, which is 1 unless a matrix's Gram exceeds CAP²."""
+    spectral caps are per matrix. Where bmm computes each matrix of a stack as mm does (the
+    CPU's, tested), the results are those of B calls."""
     if g.dim() != 3:
         raise ValueError(f"newton_schulz_batched needs a stack [B, rows, cols], got shape "
                          f"{tuple(g.shape)}; one matrix: newton_schulz")

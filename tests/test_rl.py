@@ -331,9 +331,23 @@ def test_split_upcycle_config_builds_a_policy_of_mlp_slices():
     assert model.config.moe and model.config.moe_hidden == model.config.ffn_hidden // 4
     for bad, match in (({"n_experts": 4}, "top_k"), ({"n_experts": 4, "top_k": 2, "split": "yes"},
                                                       "upcycle.split"),
-                       ({"n_experts": 4, "top_k": 2, "noise": 1}, "upcycle takes")):
+                       ({"n_experts": 4, "top_k": 2, "noise": 1}, "upcycle takes"),
+                       ({"n_experts": 4, "top_k": 2, "expert_noise": 1.5}, "expert_noise"),
+                       ({"n_experts": 4, "top_k": 2, "expert_noise": True}, "expert_noise")):
         with pytest.raises(ValueError, match=match):
             RLConfig(upcycle=bad)
+
+
+def test_copy_upcycle_config_with_expert_noise_makes_experts_differ():
+    from fp4stack.rl.policies import build_policy
+
+    cfg = RLConfig(policy={"kind": "gpt", "preset": "tiny"},
+                   upcycle={"n_experts": 4, "top_k": 2, "expert_noise": 0.01})
+    model, _ = build_policy(cfg.policy, cfg.upcycle, seed=0, max_len=32)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    assert model.config.moe_hidden == model.config.ffn_hidden
+    assert not torch.equal(experts[0], experts[1])
+    assert torch.allclose(experts[0], experts[1], rtol=0.1, atol=0)  # copies, 1% apart
 
 
 def test_activation_error_of_a_sample_batch_every_n_steps(tmp_path):

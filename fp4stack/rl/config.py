@@ -125,13 +125,22 @@ class RLConfig:
             raise ValueError("engine 'fast' records MoE routing from the scoring forward only: "
                              "routing_replay with logprobs: sample needs engine: reference (or "
                              "logprobs: score)")
-        if self.upcycle is not None and (set(self.upcycle) - {"n_experts", "top_k", "split"}
-                                         or not {"n_experts", "top_k"} <= set(self.upcycle)):
+        if self.upcycle is not None:
+            self._check_upcycle()
+
+    def _check_upcycle(self) -> None:
+        keys = set(self.upcycle)
+        if keys - {"n_experts", "top_k", "split", "expert_noise"} \
+                or not {"n_experts", "top_k"} <= keys:
             raise ValueError("upcycle takes n_experts, top_k and optionally split (true: each "
-                             f"expert a slice of the MLP), got {sorted(self.upcycle)}")
-        if self.upcycle is not None and not isinstance(self.upcycle.get("split", False), bool):
+                             "expert a slice of the MLP) and expert_noise (each copy's weights "
+                             f"times 1 + noise * N(0, 1)), got {sorted(self.upcycle)}")
+        if not isinstance(self.upcycle.get("split", False), bool):
             raise ValueError(f"upcycle.split must be true or false, got "
                              f"{self.upcycle['split']!r}")
+        noise = self.upcycle.get("expert_noise", 0.0)
+        if isinstance(noise, bool) or not isinstance(noise, int | float) or not 0 <= noise < 1:
+            raise ValueError(f"upcycle.expert_noise must be a number in [0, 1), got {noise!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import functools
+import os
 
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host's grid sizes (triton.cdiv is a constexpr function there, slower
     to call on every launch)."""
     return -(-a // b)
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter (TRITON_INTERPRET=1, on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache

@@ -19,13 +19,12 @@ docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import cdiv
+from . import cdiv, interpreted
 from . import nvfp4_jit as jit
 from .attention_common import E4M3_RANGE, Tile, check_tile
 from .attention_units import quantize_operands, unit_values
@@ -56,10 +55,6 @@ def default_tiles(head_dim: int, device_type: str = "cuda",
         dkdv=Tile(32, 64, 4, 2),
         dq=Tile(64, 32, 4, 2) if big else Tile(128, 64, 8, 2),
     )
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def mma_type(dtype: torch.dtype):

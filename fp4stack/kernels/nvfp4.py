@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +13,7 @@ from ..formats.hadamard import RHT_SIGNS
 from ..formats.random import draw_seed, seed_keys
 from ..formats.spec import QuantSpec
 from ..formats.tensor import BLOCK, NVFP4Tensor, padded_k
-from . import cdiv
+from . import cdiv, interpreted
 from . import nvfp4_kernels as kj
 
 SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
@@ -42,11 +41,11 @@ class TileConfig:
 QUANTIZE_TILE = TileConfig(block_m=4, blocks_k=32, num_warps=2)
 QUANTIZE_TILE_2D = TileConfig(block_m=16, blocks_k=8, num_warps=2)
 AMAX_TILE = TileConfig(block_m=32, blocks_k=32, num_warps=8)
-# Operands up to this many elements (a decoding step's activations) take the one-program amax,
-# or have their amax computed by the programs that quantize them (`amax_here`).
+# Operands up to this many elements (a decoding step's activations) take the one-program amax.
 SMALL_AMAX = 1 << 16
-# ...the latter while each program's read for it (the whole tensor, or its rows whole) stays
-# this short and all of them together this few: one launch saved for a few L2 reads. On the
+# Operands up to this many elements, read whole (or their rows whole) by at most
+# AMAX_HERE_READS / numel programs, have their amax computed by the programs that quantize them
+# (`amax_here`): one launch saved for a few L2 reads. On the
 # H200 (2026-12-04) a 16 x 4096 operand read whole by each of 32 programs of 64 threads cost
 # 28 us more than the amax launch first (decoding at batch 16: -5 to -11% tokens/s); one row
 # cost nothing measurable either way.
@@ -62,7 +61,7 @@ DEQUANTIZE_TILE = TileConfig()
 def _launch_options(maxnreg: int = 0) -> dict:
     """The options of _EXACT this Triton knows (none under the interpreter), and with `maxnreg`
     a cap on registers per thread where this Triton has one."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return {}
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -122,9 +121,8 @@ def amax_here(numel: int, programs: int) -> bool:
     """Whether `programs` programs quantizing `numel` elements should each compute the amax
     they need themselves (see AMAX_HERE_READS): `programs` counts those reading the whole
     tensor, or for a row-scaled operand the programs along a row (each reads its rows whole)."""
-    reads = (INTERPRETED_AMAX_HERE_READS if os.environ.get("TRITON_INTERPRET") == "1"
-             else AMAX_HERE_READS)
-    return numel <= min(SMALL_AMAX, AMAX_HERE_ELEMENTS) and numel * programs <= reads
+    reads = INTERPRETED_AMAX_HERE_READS if interpreted() else AMAX_HERE_READS
+    return numel <= AMAX_HERE_ELEMENTS and numel * programs <= reads
 
 
 def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:

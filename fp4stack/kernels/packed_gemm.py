@@ -9,7 +9,6 @@ The tile candidates are in one table (`GEMM_CONFIGS`, `GROUPED_CONFIGS`), picked
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ import triton.language as tl
 
 from ..formats.spec import QuantSpec
 from ..formats.tensor import BLOCK, NVFP4Tensor, padded_k
-from . import cdiv
+from . import cdiv, interpreted
 from . import packed_gemm_jit as jit
 from .nvfp4 import QUANTIZE_TILE, _launch_options
 
@@ -188,14 +187,10 @@ def _words(data: torch.Tensor) -> torch.Tensor:
     return (data if data.stride(-1) == 1 else data.contiguous()).view(torch.int32)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _mma(dtype: torch.dtype) -> dict:
     """The dot's operand type and input precision: a's dtype (full-precision "ieee" for fp32:
     no TF32); float32 under the interpreter, whose bf16 dot is wrong (exact all the same)."""
-    if dtype == torch.float32 or _interpreted():
+    if dtype == torch.float32 or interpreted():
         return {"MMA_TY": tl.float32, "PRECISION": "ieee"}
     return {"MMA_TY": tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
             "PRECISION": "tf32"}  # the precision only matters for fp32 operands
@@ -206,7 +201,7 @@ def _exact(k: int, block_k: int | None = None) -> dict:
     bf16 cast is not round-to-nearest-even), plus the exact-maths launch options; with
     block_k, EVEN_K: K is a multiple of it (the GEMM's loads need no column mask)."""
     even = {} if block_k is None else {"EVEN_K": k % block_k == 0}
-    return {"PAD_K": k % BLOCK != 0, "NATIVE_CAST": not _interpreted(), **even,
+    return {"PAD_K": k % BLOCK != 0, "NATIVE_CAST": not interpreted(), **even,
             **_launch_options()}
 
 
@@ -302,7 +297,7 @@ def _dense(a, w, bias, config, a_segments=None, a_bounds=None):
         rm, rn = 16, 128
         jit.splitk_reduce_kernel[(cdiv(m, rm), cdiv(n, rn))](
             part, b, out, m, n, SPLIT_K=split, BM=rm, BN=rn, HAS_BIAS=bias is not None,
-            NATIVE_CAST=not _interpreted(), num_warps=4, **_launch_options(),
+            NATIVE_CAST=not interpreted(), num_warps=4, **_launch_options(),
         )
     return out
 

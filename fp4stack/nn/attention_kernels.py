@@ -64,7 +64,8 @@ def triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -
         return f"the kernels take float32, bfloat16 or float16, got {q.dtype}"
     if not available():
         return "Triton is not installed"
-    from ..kernels.attention import HEAD_DIMS, interpreted
+    from ..kernels import interpreted
+    from ..kernels.attention import HEAD_DIMS
 
     if q.shape[-1] not in HEAD_DIMS:
         return f"the kernels take head_dim in {HEAD_DIMS}, got {q.shape[-1]}"

@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from ..config_fields import check_float
+from ..kernels import interpreted
 from .adamw4_fused import (
     fused_steps,
     grad_still_fusable,
-    interpreted,
     param_unfusable,
     unfusable,
 )

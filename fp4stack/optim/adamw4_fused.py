@@ -8,18 +8,12 @@ leaves is the same, so a run may switch between the two.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .state_format import StateFormat
-
-
-def interpreted() -> bool:
-    """Whether Triton kernels run under the interpreter (on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def unfusable(fmt: StateFormat) -> str | None:

@@ -5,6 +5,7 @@ Bandwidth counts the bytes that must move: each input read once per pass the alg
 (two passes over x when the global amax is computed in the call), each output written once.
 
     python benchmarks/bench_quantize.py [--size 8192] [--sweep] [--out results.json]
+    python benchmarks/bench_quantize.py --compile-check   # no GPU: build the kernels for sm_90
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 
@@ -58,6 +60,79 @@ def sweep_tiles(x: torch.Tensor, amax: torch.Tensor) -> list[dict]:
     return rows
 
 
+def sweep_column_tiles(xt: torch.Tensor, amax: torch.Tensor) -> list[dict]:
+    """The same for the column-major tile, on the fake-quantize of a transposed view xt (the
+    training step's column-wise operands)."""
+    rows = []
+    spec = QuantSpec(nan_policy="propagate")
+    for bm in (32, 64, 128, 256):
+        for kb in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8):
+                if not 1024 <= bm * kb * 16 <= 16384 or bm < 32 * warps:
+                    continue
+                kernels.QUANTIZE_TILE_T = kernels.TileConfig(bm, kb, warps)
+                ms, _ = bench(lambda: kernels.fake_quantize(xt, spec, amax=amax), reps=1)
+                rows.append({"block_m": bm, "blocks_k": kb, "num_warps": warps, "ms": ms})
+    rows.sort(key=lambda r: r["ms"])
+    return rows
+
+
+_P = dict(nan_policy="propagate")
+# The recipes' (row, column-wise) operand pairs: nvfp4's x and dy; NVIDIA's x, then dy.
+PAIRS = {"rne/rne": (QuantSpec(**_P), QuantSpec(**_P)),
+         "rne/rht": (QuantSpec(**_P), QuantSpec(hadamard=True, **_P)),
+         "sr/rht+sr": (QuantSpec(rounding="stochastic", **_P),
+                       QuantSpec(hadamard=True, rounding="stochastic", **_P)),
+         "4/6/4/6": (QuantSpec(four_over_six=True, **_P), QuantSpec(four_over_six=True, **_P))}
+
+
+def compile_check() -> list[str]:
+    """Compile the training step's quantize and amax kernels for sm_90 without a GPU: each
+    operand kind of the recipes (RNE, 16x16, SR, RHT, RHT+SR, 4/6; fake and packed) on the
+    row-major tile and, for the column-wise operands, the column-major one; the recipes'
+    operand pairs (an operand and its column-wise copy from one read)."""
+    from fp4stack.kernels import nvfp4_kernels as kj
+    from fp4stack.kernels.hopper import compile_sm90
+
+    ptrs = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "data_ptr": "*u8",
+            "scale_ptr": "*u8", "out_ptr": "*bf16", "out_t_ptr": "*bf16",
+            "nonfinite_ptr": "*i32", "partial_ptr": "*fp32"}
+    base = dict(SIGN_MASK=kernels.SIGN_MASK, SCALE_MAX=448.0, CHECK_FINITE=False,
+                ROW_AMAX=False, AMAX_HERE=False, FOUR_OVER_SIX=False, HADAMARD=False,
+                STOCHASTIC=False, IS_2D=False, FAKE=True)
+    kinds = {"rne": {}, "16x16": dict(IS_2D=True), "sr": dict(STOCHASTIC=True),
+             "rht": dict(HADAMARD=True), "rht+sr": dict(HADAMARD=True, STOCHASTIC=True),
+             "4/6": dict(FOUR_OVER_SIX=True)}
+    jobs = []
+    for kind, opts in kinds.items():
+        tiles = [("row-major", kernels.QUANTIZE_TILE_2D if opts.get("IS_2D")
+                  else kernels.QUANTIZE_TILE), ("column-major", kernels.QUANTIZE_TILE_T)]
+        for layout, tile in tiles:
+            for fake in (True, False) if kind == "rne" else (True,):
+                jobs.append((f"quantize {kind} {layout} fake={fake}", kj.quantize_kernel, tile,
+                             dict(base, **opts, FAKE=fake)))
+    pair_base = dict(SIGN_MASK=kernels.SIGN_MASK, SCALE_MAX=448.0, SCALE_MAX_T=448.0)
+    for label, (row, col) in PAIRS.items():
+        opts = dict(HADAMARD=row.hadamard, STOCHASTIC=row.rounding == "stochastic",
+                    FOUR_OVER_SIX=row.four_over_six, HADAMARD_T=col.hadamard,
+                    STOCHASTIC_T=col.rounding == "stochastic", FOUR_OVER_SIX_T=col.four_over_six)
+        jobs.append((f"pair {label}", kj.quantize_pair_kernel, kernels.PAIR_TILE,
+                     dict(pair_base, **opts)))
+    for layout, tile in (("row-major", kernels.AMAX_TILE), ("column-major", kernels.AMAX_TILE_T)):
+        for rht in (False, True):
+            jobs.append((f"amax rht={rht} {layout}", kj.amax_kernel, tile,
+                         dict(SIGN_MASK=kernels.SIGN_MASK, HADAMARD=rht, ROWS=False)))
+    lines = []
+    for label, fn, tile, consts in jobs:
+        consts = {k: v for k, v in dict(consts, BM=tile.block_m, KB=tile.blocks_k).items()
+                  if k in fn.arg_names}
+        types = {n: ptrs[n] for n in fn.arg_names if n.endswith("_ptr")}
+        build = compile_sm90(fn, types, consts, num_warps=tile.num_warps)
+        lines.append(f"{label}: {build.describe()}")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192)
@@ -65,7 +140,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--warmup-s", type=float, default=5.0,
                     help="seconds of quantize calls before timing, so SM clocks have ramped up")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="no GPU needed: compile the training step's quantize kernels for sm_90")
     args = ap.parse_args()
+    if args.compile_check:
+        os.environ.pop("TRITON_INTERPRET", None)
+        compile_check()
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_quantize.py needs a CUDA GPU")
 
@@ -93,6 +174,18 @@ def main() -> None:
         kernels.QUANTIZE_TILE = kernels.TileConfig(best["block_m"], best["blocks_k"],
                                                    best["num_warps"])
         print("tile sweep (given amax), fastest first:")
+        for r in rows[:6]:
+            print(f"  rows={r['block_m']:3d} blocks={r['blocks_k']:3d} warps={r['num_warps']}  "
+                  f"{r['ms'] * 1e3:7.1f} us")
+
+    xt = x.t()  # a column-major view, as the backward's column-wise operands are read
+    if args.sweep:
+        rows = sweep_column_tiles(xt, amax)
+        results["sweep_column_major"] = rows
+        best = rows[0]
+        kernels.QUANTIZE_TILE_T = kernels.TileConfig(best["block_m"], best["blocks_k"],
+                                                     best["num_warps"])
+        print("column-major tile sweep (fake-quantize of x.t()), fastest first:")
         for r in rows[:6]:
             print(f"  rows={r['block_m']:3d} blocks={r['blocks_k']:3d} warps={r['num_warps']}  "
                   f"{r['ms'] * 1e3:7.1f} us")
@@ -125,6 +218,31 @@ def main() -> None:
         cases.append((f"fake-quantize {label}, amax given",
                       lambda spec=spec: kernels.fake_quantize(x, spec, amax=amax, seed=1),
                       2 * x_bytes))
+
+    # The backward's column-wise operand: x.t() read in place by the column-major tile, against
+    # the copy to a contiguous x.t() first (what the linears did before).
+    for label, spec in [("RNE", prop),
+                        ("SR", QuantSpec(rounding="stochastic", nan_policy="propagate")),
+                        ("RHT+SR", QuantSpec(hadamard=True, rounding="stochastic",
+                                             nan_policy="propagate"))]:
+        cases.append((f"column-wise fake-quantize {label}, x.t() read in place",
+                      lambda spec=spec: kernels.fake_quantize(xt, spec, amax=amax, seed=1),
+                      2 * x_bytes))
+        cases.append((f"column-wise fake-quantize {label}, x.t() copied first",
+                      lambda spec=spec: kernels.fake_quantize(xt.contiguous(), spec, amax=amax,
+                                                              seed=1),
+                      4 * x_bytes))
+
+    # A linear's operand and its column-wise copy: one pair kernel against the two calls
+    # (the column-wise one reading x.t() in place); both amaxes given.
+    for label, (row, col) in PAIRS.items():
+        cases.append((f"pair {label}, one kernel",
+                      lambda row=row, col=col: kernels.fake_quantize_pair(
+                          x, row, col, amax=amax, amax_t=amax, seed=1, seed_t=2), 3 * x_bytes))
+        cases.append((f"pair {label}, two calls",
+                      lambda row=row, col=col: (
+                          kernels.fake_quantize(x, row, amax=amax, seed=1),
+                          kernels.fake_quantize(xt, col, amax=amax, seed=2)), 4 * x_bytes))
 
     ref_fake = lambda: reference.fake_quantize(x, prop, amax=amax)  # noqa: E731
     compiled = torch.compile(ref_fake)

@@ -163,6 +163,32 @@ def imposable_amax(spec: QuantSpec) -> bool:
             and spec.nan_policy == "propagate")
 
 
+def fake_quantize_pair(
+    x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec, *,
+    amax: torch.Tensor | None = None, amax_t: torch.Tensor | None = None,
+    seed: int | torch.Tensor | None = None, seed_t: int | torch.Tensor | None = None,
+    cols_t: int | None = None, dtype: torch.dtype | None = None, name: str = "input",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fake_quantize(x, spec=spec)` and `fake_quantize(xᵀ, spec=spec_t)` of a matrix x, both
+    NVFP4, with xᵀ zero-padded to `cols_t` columns (default: x's rows; at most to whole
+    blocks): a linear's forward operand and its backward's column-wise one. The same bits and
+    random draws, in that order, as the two calls; the Triton kernels make both from one read
+    of x. No gradient (the linears call it inside their own autograd functions)."""
+    _check_tensor(x, name)
+    check_seed(seed)
+    check_seed(seed_t)
+    cols_t = x.shape[0] if cols_t is None else cols_t
+    reference.check_pair(x, make_spec(spec), make_spec(spec_t), cols_t, name)
+    if torch.compiler.is_compiling():
+        amax = _traced_amax(x, spec, amax)
+        amax_t = _traced_amax(x, spec_t, amax_t)
+        return ops.fake_quantize_pair_op(
+            x, ops.spec_key(spec), ops.spec_key(spec_t), _op_amax(amax), _op_amax(amax_t),
+            _op_seed(spec, seed), _op_seed(spec_t, seed_t), cols_t, name, dtype)
+    return ops.fake_quantize_pair(x, spec, spec_t, amax=amax, amax_t=amax_t, seed=seed,
+                                  seed_t=seed_t, cols_t=cols_t, dtype=dtype, name=name)
+
+
 def _traced_amax(x: torch.Tensor, spec: QuantSpec, amax):
     # Under compile, the amax a spec would compute itself, as `fusable_amax` outside the
     # quantizer op, which then launches only its quantize kernel.

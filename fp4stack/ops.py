@@ -10,6 +10,8 @@ CPU (so CI runs every op), the Triton kernels on CUDA; the same bits either way.
 
     quantize(x, spec, amax?, seed?, name) -> (data, scale bytes, amax)
     fake_quantize(x, spec, amax?, seed?, name, dtype?) -> x_hat
+    fake_quantize_pair(x, spec, spec_t, amax?, amax_t?, seed?, seed_t?, cols_t, name, dtype?)
+        -> (x_hat, xt_hat)
     dequantize(data, scale bytes, amax, shape, spec, dtype) -> x_hat
     global_amax(x, hadamard) -> amax
 """
@@ -125,6 +127,39 @@ def fake_quantize_op(x: torch.Tensor, spec: str, amax: torch.Tensor | None,
 @fake_quantize_op.register_fake
 def _(x, spec, amax, seed, name, dtype):
     return x.new_empty(x.shape, dtype=dtype or x.dtype)
+
+
+def fake_quantize_pair(x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec, *, amax, amax_t,
+                       seed, seed_t, cols_t: int, dtype: torch.dtype | None, name: str):
+    """fake_quantize of the matrix x by `spec`, and of xᵀ zero-padded to cols_t columns by
+    `spec_t`, on x's backend: the Triton kernels read x once where they can."""
+    if backend_for(x.device) == "triton":
+        from . import kernels
+
+        return kernels.fake_quantize_pair(x, spec, spec_t, amax=amax, amax_t=amax_t, seed=seed,
+                                          seed_t=seed_t, cols_t=cols_t, dtype=dtype, name=name)
+    xt = torch.nn.functional.pad(x.t(), (0, cols_t - x.shape[0]))
+    return (reference.fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype),
+            reference.fake_quantize(xt, spec_t, amax=amax_t, seed=seed_t, name=name,
+                                    dtype=dtype))
+
+
+@torch.library.custom_op("fp4stack::fake_quantize_pair", mutates_args=())
+def fake_quantize_pair_op(x: torch.Tensor, spec: str, spec_t: str, amax: torch.Tensor | None,
+                          amax_t: torch.Tensor | None, seed: torch.Tensor | None,
+                          seed_t: torch.Tensor | None, cols_t: int, name: str,
+                          dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fake_quantize_pair` as one node of a compiled graph."""
+    out, out_t = fake_quantize_pair(x, spec_from_key(spec), spec_from_key(spec_t), amax=amax,
+                                    amax_t=amax_t, seed=seed, seed_t=seed_t, cols_t=cols_t,
+                                    dtype=dtype, name=name)
+    return _fresh(out.contiguous(), x), _fresh(out_t.contiguous(), x)
+
+
+@fake_quantize_pair_op.register_fake
+def _(x, spec, spec_t, amax, amax_t, seed, seed_t, cols_t, name, dtype):
+    return (x.new_empty(x.shape, dtype=dtype or x.dtype),
+            x.new_empty((x.shape[1], cols_t), dtype=dtype or x.dtype))
 
 
 @torch.library.custom_op("fp4stack::dequantize", mutates_args=())

@@ -148,9 +148,12 @@ def test_compiled_quantizers_take_an_amax_the_graph_computes():
     torch.compile(layer, fullgraph=True, backend=backend)(torch.randn(32, 64))
     calls = [n for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
              for n in sub.graph.nodes if n.op == "call_function"]  # autograd.Function's too
-    quantizers = [n for n in calls if "fake_quantize" in str(n.target)]
-    assert len(quantizers) == 6  # x, W; the backward's dy, and the column-wise x, W, dy
-    assert all(n.args[2] is not None for n in quantizers)  # (x, spec, amax, ...)
+    single = [n for n in calls if str(n.target).endswith("fake_quantize.default")]
+    pairs = [n for n in calls if "fake_quantize_pair" in str(n.target)]
+    assert len(single) == 2  # W and its column-wise copy
+    assert len(pairs) == 2  # x with the column-wise x, dy with the column-wise dy
+    assert all(n.args[2] is not None for n in single)  # (x, spec, amax, ...)
+    assert all(n.args[3] is not None and n.args[4] is not None for n in pairs)  # both amaxes
     assert not any("global_amax" in str(n.target) for n in calls)
     torch._dynamo.reset()
 

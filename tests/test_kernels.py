@@ -299,6 +299,20 @@ def test_non_contiguous_input():
     check_all_paths(x[:, ::2], SPECS["2d"])
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_column_major_input(name, monkeypatch):
+    # A transposed view (the backward's column-wise operands) is read as it is, by the
+    # column-major tile, with partial tiles on both sides and a NaN; its amax by the grid
+    # kernel's column-major tile too (the one-program size lowered to reach it).
+    monkeypatch.setattr(kernels, "SMALL_AMAX", 0)
+    x = wide_range(48, 144, seed=len(name)).to(DEVICE)
+    xt = x.t()  # [144, 48], rows contiguous
+    assert kernels.column_major(kernels._as_3d(xt, SPECS[name]))
+    check_all_paths(xt, SPECS[name], seed=5)
+    x[7, 100] = float("nan")
+    check_all_paths(xt, replace(SPECS[name], nan_policy="propagate"), seed=5)
+
+
 def test_seed_is_the_only_randomness():
     x = torch.randn(16, 64).to(DEVICE)
     a = kernels.quantize(x, SPECS["sr"], seed=7)

@@ -52,6 +52,26 @@ def test_quantizer_ops_pass_opcheck_and_give_the_reference_bits(spec):
     assert torch.equal(ops.dequantize_op(*args), reference.dequantize(t))
 
 
+@pytest.mark.parametrize("pair", [(QuantSpec(), QuantSpec(hadamard=True)),
+                                  (QuantSpec(rounding="stochastic", nan_policy="propagate"),
+                                   QuantSpec(hadamard=True, rounding="stochastic",
+                                             nan_policy="propagate"))], ids=["rne", "sr"])
+def test_pair_op_passes_opcheck_and_gives_the_two_calls_bits(pair):
+    spec, spec_t = pair
+    x = data((40, 48))
+    seeds = ((torch.tensor(3), torch.tensor(4)) if spec.rounding == "stochastic"
+             else (None, None))
+    args = (x, ops.spec_key(spec), ops.spec_key(spec_t), None, None, *seeds, 48, "x",
+            torch.bfloat16)
+    torch.library.opcheck(ops.fake_quantize_pair_op, args)
+    got, got_t = ops.fake_quantize_pair_op(*args)
+    s1, s2 = (None, None) if seeds[0] is None else (3, 4)
+    want = fp4stack.fake_quantize(x, spec=spec, seed=s1, dtype=torch.bfloat16)
+    want_t = fp4stack.fake_quantize(torch.nn.functional.pad(x.t(), (0, 8)), spec=spec_t, seed=s2,
+                                    dtype=torch.bfloat16)
+    assert torch.equal(got, want) and torch.equal(got_t, want_t) and got_t.shape == (48, 48)
+
+
 def test_an_imposed_amax_comes_back_as_a_new_tensor():
     amax = torch.tensor(4.0)
     _, _, got = ops.quantize_op(data(), ops.spec_key(QuantSpec()), amax, None, "x")

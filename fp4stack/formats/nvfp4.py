@@ -45,6 +45,19 @@ def check_input(x: torch.Tensor, spec: QuantSpec, name: str) -> None:
         )
 
 
+def check_pair(x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec, cols_t: int,
+               name: str) -> None:
+    """check_input for a matrix x quantized along its rows by `spec` and, transposed and
+    zero-padded to `cols_t` columns (at most to whole blocks), along its columns by `spec_t`."""
+    check_input(x, spec, name)
+    m = x.shape[0]
+    if x.dim() != 2 or not m <= cols_t <= m + (-m % BLOCK):
+        raise ValueError(f"{name}: a pair takes a matrix and cols_t in [{m}, {m + (-m % BLOCK)}]"
+                         f" (its rows, padded to whole blocks at most), got shape "
+                         f"{tuple(x.shape)} and cols_t={cols_t}")
+    check_input(x.new_empty(0, cols_t), spec_t, f"{name} (column-wise)")
+
+
 def count_nonfinite(x: torch.Tensor) -> int:
     return int((~torch.isfinite(x)).sum().item())
 

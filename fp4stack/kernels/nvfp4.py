@@ -41,6 +41,16 @@ class TileConfig:
 QUANTIZE_TILE = TileConfig(block_m=4, blocks_k=32, num_warps=2)
 QUANTIZE_TILE_2D = TileConfig(block_m=16, blocks_k=8, num_warps=2)
 AMAX_TILE = TileConfig(block_m=32, blocks_k=32, num_warps=8)
+# A column-major operand (a transposed view: the backward's column-wise copies of x and dy) has
+# its rows contiguous in memory. The row-major tiles would read 4 or 32 neighbouring rows (8-64
+# bytes) of each column; these take many rows and few blocks, so a warp's load covers 64 or 128
+# neighbouring rows of one column, and the transposed copy the kernel would otherwise need is
+# not made. Any tile gives the same bits (whole 16x16 tiles: block_m is a multiple of 16).
+QUANTIZE_TILE_T = TileConfig(block_m=64, blocks_k=2, num_warps=2)
+AMAX_TILE_T = TileConfig(block_m=128, blocks_k=4, num_warps=4)
+# fake_quantize_pair: rows x blocks of x a program takes for both of its operands (block_m a
+# multiple of 16: whole blocks of xᵀ).
+PAIR_TILE = TileConfig(block_m=32, blocks_k=4, num_warps=4)
 # Operands up to this many elements (a decoding step's activations) take the one-program amax.
 SMALL_AMAX = 1 << 16
 # Operands up to this many elements, read whole (or their rows whole) by at most
@@ -85,6 +95,11 @@ def _int32(k: int) -> int:
     return k - (1 << 32) if k >= 1 << 31 else k
 
 
+def column_major(x3: torch.Tensor) -> bool:
+    """Whether x3 [B, M, K] has its rows, not its columns, contiguous (a transposed view)."""
+    return x3.shape[1] > 1 and x3.shape[2] > 1 and x3.stride(1) == 1 and x3.stride(2) != 1
+
+
 def _grid(x3: torch.Tensor, kp: int, tile: TileConfig) -> tuple[int, int, int]:
     b, m, _ = x3.shape
     return cdiv(m, tile.block_m), cdiv(kp, tile.block_k), b
@@ -105,7 +120,7 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
             **_launch_options(),
         )
         return out
-    tile = AMAX_TILE
+    tile = AMAX_TILE_T if column_major(x3) else AMAX_TILE
     grid = _grid(x3, padded_k(k), tile)
     n = grid[1] * b * m if rows else grid[0] * grid[1] * grid[2]
     partial = torch.empty(n, dtype=torch.float32, device=x3.device)
@@ -140,7 +155,10 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
     b, m, k = x3.shape
     kp = padded_k(k)
     check = spec.nan_policy == "raise"
-    tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
+    if column_major(x3):
+        tile = QUANTIZE_TILE_T
+    else:
+        tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
     grid = _grid(x3, kp, tile)
     # With the amax computed here, a non-finite input shows in it; otherwise the kernel counts.
     check_amax = here = False
@@ -244,3 +262,60 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
         ROW_AMAX=t.spec.row_scaled, num_warps=tile.num_warps, **_launch_options(),
     )
     return out.reshape(t.shape)
+
+
+def pair_fusable(x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec) -> bool:
+    """Whether `fake_quantize_pair` makes both operands in one kernel: x is a non-empty
+    matrix, both specs NVFP4 with 1x16 blocks, one global scale and no NaN check (the linears'
+    operands)."""
+    return x.dim() == 2 and x.numel() > 0 and all(
+        s.format == "nvfp4" and not s.is_2d and not s.row_scaled and s.nan_policy == "propagate"
+        for s in (spec, spec_t))
+
+
+def fake_quantize_pair(
+    x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec, *, amax=None, amax_t=None, seed=None,
+    seed_t=None, cols_t: int | None = None, dtype: torch.dtype | None = None,
+    name: str = "input",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fake_quantize(x, spec), fake_quantize(xᵀ zero-padded to `cols_t` columns, spec_t)) with
+    the same bits (and random draws, in that order) as the two calls, from one read of x where
+    `pair_fusable`: a linear's forward operand and its backward's column-wise one."""
+    m, k = x.shape[-2], x.shape[-1]
+    cols_t = m if cols_t is None else cols_t
+    reference.check_pair(x, spec, spec_t, cols_t, name)
+    if not pair_fusable(x, spec, spec_t):
+        xt = x.t()
+        if cols_t > m:
+            xt = torch.nn.functional.pad(xt, (0, cols_t - m))
+        return (fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype),
+                fake_quantize(xt, spec_t, amax=amax_t, seed=seed_t, name=name, dtype=dtype))
+    x3 = x.reshape(1, m, k)
+    amax_r = (_amax(x3, spec) if amax is None
+              else reference.as_amax(amax, x.device, check=False))
+    if amax_t is not None:
+        amax_c = reference.as_amax(amax_t, x.device, check=False)
+    elif amax is None and not spec.hadamard and not spec_t.hadamard:
+        amax_c = amax_r  # max |x| is max |xᵀ| (not so after a transform along either dim)
+    else:
+        amax_c = _amax(x.t().reshape(1, k, m), spec_t)
+    keys = []
+    for s, sd in ((spec, seed), (spec_t, seed_t)):  # drawn in the two calls' order
+        k1 = k2 = 0
+        if s.rounding == "stochastic":
+            k1, k2 = seed_keys(draw_seed() if sd is None else int(sd))
+        keys += [_int32(k1), _int32(k2)]
+    out = torch.empty((m, k), dtype=dtype or x.dtype, device=x.device)
+    out_t = torch.empty((k, cols_t), dtype=dtype or x.dtype, device=x.device)
+    tile = PAIR_TILE
+    grid = (cdiv(m, tile.block_m), cdiv(k, tile.block_k), 1)
+    kj.quantize_pair_kernel[grid](
+        x, amax_r, amax_c, out, out_t, m, k, padded_k(k), cols_t, padded_k(cols_t),
+        *x.stride(), *keys, BM=tile.block_m, KB=tile.blocks_k, SIGN_MASK=SIGN_MASK,
+        HADAMARD=spec.hadamard, STOCHASTIC=spec.rounding == "stochastic",
+        FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max,
+        HADAMARD_T=spec_t.hadamard, STOCHASTIC_T=spec_t.rounding == "stochastic",
+        FOUR_OVER_SIX_T=spec_t.four_over_six, SCALE_MAX_T=spec_t.scale_max,
+        num_warps=tile.num_warps, **_launch_options(),
+    )
+    return out, out_t

@@ -134,7 +134,7 @@ def quantize_kernel(
         pid = (b * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_m
         tl.store(nonfinite_ptr + pid, tl.sum(tl.sum(tl.sum(bad, 2), 1), 0))
 
-    if ROW_AMAX:  # [BM, 1] against the blocks' [BM, KB]; dec [BM, 1, 1] against [BM, KB, 8]
+    if ROW_AMAX:  # [BM, 1] against the blocks' [BM, KB]
         if AMAX_HERE:
             amax = row_abs_max(x_ptr, b.to(tl.int64), rows, M, K, sb, sm, sk, KB, HADAMARD,
                                SIGN_MASK)
@@ -143,7 +143,6 @@ def quantize_kernel(
             amax = tl.where(rows < M, amax, 0.0)[:, None]
         else:
             amax = tl.load(amax_ptr + b * M + rows, mask=rows < M, other=0.0)[:, None]
-        dec = global_decode(amax, SCALE_MAX)[:, :, None]
     else:
         if AMAX_HERE:
             amax = tensor_abs_max(x_ptr, B, M, K, sb, sm, sk, BM, KB, HADAMARD, SIGN_MASK)
@@ -151,7 +150,49 @@ def quantize_kernel(
                 tl.store(amax_ptr, amax)
         else:
             amax = tl.load(amax_ptr)
-        dec = global_decode(amax, SCALE_MAX)
+    store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scale_ptr, out_ptr,
+                    IS_2D, STOCHASTIC, FOUR_OVER_SIX, SCALE_MAX, FAKE, ROW_AMAX)
+
+
+@triton.jit
+def quantize_pair_kernel(
+    x_ptr, amax_ptr, amax_t_ptr, out_ptr, out_t_ptr, M, K, KP, CT, KPT, sm, sk, k1, k2, k1t, k2t,
+    BM: tl.constexpr, KB: tl.constexpr, SIGN_MASK: tl.constexpr,
+    HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+    SCALE_MAX: tl.constexpr, HADAMARD_T: tl.constexpr, STOCHASTIC_T: tl.constexpr,
+    FOUR_OVER_SIX_T: tl.constexpr, SCALE_MAX_T: tl.constexpr,
+):
+    """Fake-quantize x [M, K] along its rows into out [M, K], and xᵀ (zero-padded to CT >= M
+    columns) along its rows into out_t [K, CT], each with its own spec: one program takes BM
+    rows x KB blocks of x for both, so the tile comes from memory once and its second read,
+    along the columns, from the cache. BM is a multiple of 16 (whole blocks of xᵀ)."""
+    pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    kbs = pid_k * KB + tl.arange(0, KB)
+    lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, 0, sm, sk, HADAMARD, SIGN_MASK)
+    store_quantized(lo, hi, tl.load(amax_ptr), b, rows, kbs, M, K, KP, k1, k2, out_ptr, out_ptr,
+                    out_ptr, False, STOCHASTIC, FOUR_OVER_SIX, SCALE_MAX, True, False)
+    cols = pid_k * (KB * 16) + tl.arange(0, KB * 16)
+    mbs = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+    lo, hi, _, _ = load_halves(x_ptr, b, cols, mbs, K, M, 0, sk, sm, HADAMARD_T, SIGN_MASK)
+    store_quantized(lo, hi, tl.load(amax_t_ptr), b, cols, mbs, K, CT, KPT, k1t, k2t, out_t_ptr,
+                    out_t_ptr, out_t_ptr, False, STOCHASTIC_T, FOUR_OVER_SIX_T, SCALE_MAX_T,
+                    True, False)
+
+
+@triton.jit
+def store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scale_ptr, out_ptr,
+                    IS_2D: tl.constexpr, STOCHASTIC: tl.constexpr,
+                    FOUR_OVER_SIX: tl.constexpr, SCALE_MAX: tl.constexpr, FAKE: tl.constexpr,
+                    ROW_AMAX: tl.constexpr):
+    """Quantize the half-blocks lo, hi [BM, KB, 8] of rows `rows`, blocks `kbs` of x[b] [M, K]
+    (K padded to KP) with the global amax (0-d, or [BM, 1] with ROW_AMAX) and store them: the
+    dequantized values in out [B, M, K] (FAKE), or codes in data and scale bits in scale."""
+    BM: tl.constexpr = lo.shape[0]
+    KB: tl.constexpr = lo.shape[1]
+    dec = global_decode(amax, SCALE_MAX)
+    if ROW_AMAX:
+        dec = dec[:, :, None]  # against [BM, KB, 8]
     s_enc, s_dec = global_scales(amax, SCALE_MAX)
     bmax = block_amax(lo, hi)
     if IS_2D:
@@ -192,6 +233,8 @@ def quantize_kernel(
     if FAKE:
         s = e4m3_value(sbits)[:, :, None]
         col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        mask_lo = (rows < M)[:, None, None] & (col_lo < K)
+        mask_hi = (rows < M)[:, None, None] & (col_lo + 8 < K)
         tl.store(out_ptr + row_off * K + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo)
         tl.store(out_ptr + row_off * K + col_lo + 8, cast_rne(val_hi * s * dec, out_ptr),
                  mask=mask_hi)

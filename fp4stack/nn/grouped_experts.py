@@ -19,7 +19,7 @@ import torch
 
 from ..formats.spec import QuantSpec
 from ..ops import spec_from_key, spec_key
-from .operands import _compute_dtype, quantize_operand
+from .operands import _compute_dtype, quantize_operand, quantize_operand_pair
 from .recipe import Recipe
 
 # The operands of an expert GEMM's recipe, in the order of the seeds' columns.
@@ -113,13 +113,20 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
             dx[rows] = dye.mm(we.to(dye.dtype)).to(x.dtype)
             dw[e] = xe.to(dye.dtype).t().mm(dye).t().to(weight.dtype)
             continue
-        qx, qw = _forward_operands(xe, we, specs, x_amax, seeds, e, dtype)
+        if specs["x_wgrad"] is None:
+            qx, qw = _forward_operands(xe, we, specs, x_amax, seeds, e, dtype)
+            xw = qx
+        else:  # the seeds are explicit: the pair's order of draws does not matter here
+            qw = _q(we, specs["w"], seeds, e, "w", dtype=dtype)
+            qx, xw = quantize_operand_pair(
+                xe, specs["x"], specs["x_wgrad"], None if x_amax is None else x_amax[e], None,
+                dtype, seed=_seed(seeds, e, "x"), seed_t=_seed(seeds, e, "x_wgrad"))
         wd = qw if specs["w_dgrad"] is None else _q(we, specs["w_dgrad"], seeds, e, "w_dgrad",
                                                     columnwise=True, dtype=dtype)
-        xw = qx if specs["x_wgrad"] is None else _q(xe, specs["x_wgrad"], seeds, e, "x_wgrad",
-                                                    columnwise=True, dtype=dtype)
-        dx[rows] = (_q(dye, specs["dy"], seeds, e, "dy") @ wd).to(x.dtype)
-        dyw = _q(dye, specs["dy_wgrad"], seeds, e, "dy_wgrad", columnwise=True)
+        qdy, dyw = quantize_operand_pair(dye, specs["dy"], specs["dy_wgrad"],
+                                         seed=_seed(seeds, e, "dy"),
+                                         seed_t=_seed(seeds, e, "dy_wgrad"))
+        dx[rows] = (qdy @ wd).to(x.dtype)
         dw[e] = (dyw.t() @ xw).to(weight.dtype)
     return dx, dw
 

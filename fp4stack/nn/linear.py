@@ -30,6 +30,7 @@ from .operands import (
     common_amax,
     fused_inference_ok,
     quantize_operand,
+    quantize_operand_pair,
     weight_operand,
 )
 from .packed import PackedSlot, PackedState
@@ -53,16 +54,22 @@ class _QuantLinearFn(torch.autograd.Function):
         weight_grad = weight is not None and ctx.needs_input_grad[1]
         x_wgrad = weight_grad and recipe.x_wgrad is not None
         shared = common_amax(x, recipe.x, recipe.x_wgrad) if x_wgrad and x_amax is None else None
-        qx = quantize_operand(x, recipe.x, x_amax if shared is None else shared, dtype=dtype)
+        x_amax = x_amax if shared is None else shared
+        # Q(x) and its column-wise copy from one read of x; not when the weight's dgrad operand
+        # draws random numbers, which it does between the two (the random stream stays put).
+        paired = x_wgrad and not (recipe.w_dgrad and recipe.w_dgrad.rounding == "stochastic")
+        if paired:
+            qx, xw = quantize_operand_pair(x, recipe.x, recipe.x_wgrad, x_amax, shared, dtype)
+        else:
+            qx = quantize_operand(x, recipe.x, x_amax, dtype=dtype)
         y = qx @ qw.t()
         if bias is not None:
             y = y + bias.to(dtype)
         wd = qw if recipe.w_dgrad is None else weight_operand(weight, recipe.w_dgrad,
                                                               columnwise=True, dtype=dtype)
-        xw = None
-        if weight_grad:
-            xw = qx if recipe.x_wgrad is None else quantize_operand(
-                x, recipe.x_wgrad, shared, columnwise=True, dtype=dtype)
+        if not paired:
+            xw = None if not weight_grad else qx if recipe.x_wgrad is None else (
+                quantize_operand(x, recipe.x_wgrad, shared, columnwise=True, dtype=dtype))
         ctx.recipe, ctx.has_bias, ctx.weight_grad = recipe, bias is not None, weight_grad
         ctx.save_for_backward(wd, xw)
         return y
@@ -72,11 +79,13 @@ class _QuantLinearFn(torch.autograd.Function):
         wd, xw = ctx.saved_tensors
         recipe = ctx.recipe
         shared = common_amax(dy, recipe.dy, recipe.dy_wgrad) if ctx.weight_grad else None
-        dx = quantize_operand(dy, recipe.dy, shared) @ wd
         dw = None
         if ctx.weight_grad:
-            dyw = quantize_operand(dy, recipe.dy_wgrad, shared, columnwise=True)
+            qdy, dyw = quantize_operand_pair(dy, recipe.dy, recipe.dy_wgrad, shared, shared)
+            dx = qdy @ wd
             dw = dyw.t() @ xw
+        else:
+            dx = quantize_operand(dy, recipe.dy, shared) @ wd
         db = dy.sum(0) if ctx.has_bias else None
         return dx, dw, db, None, None, None, None
 

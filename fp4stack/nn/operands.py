@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..api import backend_for, fake_quantize, fusable_amax, global_amax, imposable_amax
+from ..api import (
+    backend_for,
+    fake_quantize,
+    fake_quantize_pair,
+    fusable_amax,
+    global_amax,
+    imposable_amax,
+)
 from ..formats.spec import QuantSpec
 
 _BLOCK = 16
@@ -40,7 +47,25 @@ def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
     pad = -tt.shape[-1] % _BLOCK if spec.hadamard else 0
     if pad:
         tt = F.pad(tt, (0, pad))
-    return fake_quantize(tt.contiguous(), spec=spec, amax=amax, dtype=dtype, seed=seed).t()
+    # The kernels read the transposed view as it is (a column-major tile): no copy of t first.
+    return fake_quantize(tt, spec=spec, amax=amax, dtype=dtype, seed=seed).t()
+
+
+def quantize_operand_pair(t: torch.Tensor, spec: QuantSpec | None, spec_t: QuantSpec | None,
+                          amax=None, amax_t=None, dtype: torch.dtype | None = None,
+                          seed=None, seed_t=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantize_operand(t, spec, amax, seed=seed), quantize_operand(t, spec_t, amax_t,
+    columnwise=True, seed=seed_t)), both in `dtype`: the same values and random draws, in that
+    order, with both made from one read of the matrix t where both specs are NVFP4
+    (`api.fake_quantize_pair`)."""
+    if (t.dim() != 2 or spec is None or spec_t is None or spec.format != "nvfp4"
+            or spec_t.format != "nvfp4"):
+        return (quantize_operand(t, spec, amax, dtype=dtype, seed=seed),
+                quantize_operand(t, spec_t, amax_t, columnwise=True, dtype=dtype, seed=seed_t))
+    cols_t = t.shape[0] + (-t.shape[0] % _BLOCK if spec_t.hadamard else 0)
+    q, q_t = fake_quantize_pair(t, spec, spec_t, amax=amax, amax_t=amax_t, seed=seed,
+                                seed_t=seed_t, cols_t=cols_t, dtype=dtype)
+    return q, q_t.t()
 
 
 def common_amax(t: torch.Tensor, *specs: QuantSpec | None) -> torch.Tensor | None:

@@ -89,8 +89,8 @@ PAIRS = {"rne/rne": (QuantSpec(**_P), QuantSpec(**_P)),
 def compile_check() -> list[str]:
     """Compile the training step's quantize and amax kernels for sm_90 without a GPU: each
     operand kind of the recipes (RNE, 16x16, SR, RHT, RHT+SR, 4/6; fake and packed) on the
-    row-major tile and, for the column-wise operands, the column-major one; the recipes'
-    operand pairs (an operand and its column-wise copy from one read)."""
+    row-major tile and, for the column-wise operands, the column-major one; Muon4's stacks of
+    units; the recipes' operand pairs (an operand and its column-wise copy from one read)."""
     from fp4stack.kernels import nvfp4_kernels as kj
     from fp4stack.kernels.hopper import compile_sm90
 
@@ -111,6 +111,11 @@ def compile_check() -> list[str]:
             for fake in (True, False) if kind == "rne" else (True,):
                 jobs.append((f"quantize {kind} {layout} fake={fake}", kj.quantize_kernel, tile,
                              dict(base, **opts, FAKE=fake)))
+    for layout, tile in (("row-major", kernels.QUANTIZE_TILE),
+                         ("column-major", kernels.QUANTIZE_TILE_T)):
+        # Muon4's Newton-Schulz operands: a stack, one amax a matrix, written as units
+        jobs.append((f"quantize units of a stack {layout}", kj.quantize_kernel, tile,
+                     dict(base, MATRIX_AMAX=True, UNITS=True)))
     pair_base = dict(SIGN_MASK=kernels.SIGN_MASK, SCALE_MAX=448.0, SCALE_MAX_T=448.0)
     for label, (row, col) in PAIRS.items():
         opts = dict(HADAMARD=row.hadamard, STOCHASTIC=row.rounding == "stochastic",

@@ -189,6 +189,15 @@ def fake_quantize_pair(
                                   seed_t=seed_t, cols_t=cols_t, dtype=dtype, name=name)
 
 
+def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each matrix of x [..., M, K] quantized by `spec` with its own global amax, as units
+    (float32 E2M1 value x E4M3 block scale, exact in TF32 and BF16) and the amaxes [...]: a
+    stack of GEMM operands in one pass (Muon4's Newton-Schulz), whose values are units times
+    each matrix's decode scale."""
+    _check_tensor(x, "x")
+    return _impl(x.device).quantize_units(x, spec)
+
+
 def _traced_amax(x: torch.Tensor, spec: QuantSpec, amax):
     # Under compile, the amax a spec would compute itself, as `fusable_amax` outside the
     # quantizer op, which then launches only its quantize kernel.

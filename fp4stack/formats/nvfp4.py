@@ -277,3 +277,28 @@ def fake_quantize(
 ) -> torch.Tensor:
     """dequantize(quantize(x), dtype or x.dtype): the values a GEMM on NVFP4 operands would see."""
     return dequantize(quantize(x, spec, amax=amax, seed=seed, name=name), dtype or x.dtype)
+
+
+def check_units_spec(spec: QuantSpec) -> None:
+    """quantize_units takes a per-tensor global scale and round-to-nearest (each matrix's own
+    amax; no draws, whose order would depend on how the stack is split)."""
+    if spec.row_scaled or spec.rounding == "stochastic":
+        raise ValueError(f"quantize_units takes a per-tensor, round-to-nearest spec, got {spec}")
+
+
+def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each matrix of x [..., M, K] quantized with its own global amax, as units: the float32
+    E2M1 value times its E4M3 block scale (the values divided by the matrix's decode scale D,
+    exact), and the amaxes [...] (0-d for a matrix). units * D is fake_quantize's value."""
+    check_input(x, spec, "input")
+    check_units_spec(spec)
+    full_range = 6.0 * spec.scale_max  # its decode scale is exactly 1: 2688 * fl(1/2688) == 1
+    mats = x.reshape(-1, *x.shape[-2:])
+    units, amaxes = [], []
+    for m in mats:
+        q = quantize(m, spec)
+        amaxes.append(q.amax)
+        q = NVFP4Tensor(q.data, q.scales, torch.full_like(q.amax, full_range), q.shape, spec)
+        units.append(dequantize(q))
+    return (torch.stack(units).reshape(x.shape),
+            torch.stack(amaxes).reshape(x.shape[:-2]))

@@ -319,3 +319,56 @@ def fake_quantize_pair(
         num_warps=tile.num_warps, **_launch_options(),
     )
     return out, out_t
+
+
+def _matrix_amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """max |x3[b]| of each matrix of x3 [B, M, K] (after the transform when spec.hadamard), [B]:
+    the per-row (small) or per-program maxima of `_amax`'s kernels, reduced per matrix."""
+    b, m, k = x3.shape
+    if b * m * k <= SMALL_AMAX:
+        bm = min(triton.next_power_of_2(m), 16)
+        rows = torch.empty(b * m, dtype=torch.float32, device=x3.device)
+        kj.amax_small_kernel[(1,)](
+            x3, rows, b, m, k, *x3.stride(), BM=bm, KB=max(1, 256 // bm),
+            HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK, ROWS=True, num_warps=4,
+            **_launch_options(),
+        )
+        return rows.view(b, m).amax(1)
+    tile = AMAX_TILE_T if column_major(x3) else AMAX_TILE
+    grid = _grid(x3, padded_k(k), tile)
+    partial = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=x3.device)
+    kj.amax_kernel[grid](
+        x3, partial, m, k, *x3.stride(),
+        BM=tile.block_m, KB=tile.blocks_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
+        ROWS=False, num_warps=tile.num_warps, **_launch_options(),
+    )
+    return partial.view(b, -1).amax(1)  # programs are numbered matrix by matrix
+
+
+def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each matrix of x [..., M, K] quantized with its own global amax, as units (float32 E2M1
+    value x E4M3 block scale) and the amaxes: reference.quantize_units's bits, in three launches
+    for the whole stack (amax, its reduction per matrix, quantize) instead of two a matrix."""
+    reference.check_input(x, spec, "input")
+    reference.check_units_spec(spec)
+    if x.dim() < 2:
+        raise ValueError(f"quantize_units takes matrices, got shape {tuple(x.shape)}")
+    m, k = x.shape[-2:]
+    x3 = x.reshape(-1, m, k)
+    b = x3.shape[0]
+    if x3.numel() == 0:
+        return reference.quantize_units(x, spec)
+    amax = _matrix_amax(x3, spec)
+    out = torch.empty((b, m, k), dtype=torch.float32, device=x.device)
+    if column_major(x3):
+        tile = QUANTIZE_TILE_T
+    else:
+        tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
+    kj.quantize_kernel[_grid(x3, padded_k(k), tile)](
+        x3, amax, out, out, out, out, m, k, padded_k(k), *x3.stride(), 0, 0,
+        BM=tile.block_m, KB=tile.blocks_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,
+        SIGN_MASK=SIGN_MASK, STOCHASTIC=False, FOUR_OVER_SIX=spec.four_over_six,
+        SCALE_MAX=spec.scale_max, FAKE=True, CHECK_FINITE=False, ROW_AMAX=False, B=b,
+        MATRIX_AMAX=True, UNITS=True, num_warps=tile.num_warps, **_launch_options(),
+    )
+    return out.reshape(x.shape), amax.reshape(x.shape[:-2])

@@ -113,6 +113,7 @@ def quantize_kernel(
     SIGN_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
     SCALE_MAX: tl.constexpr, FAKE: tl.constexpr, CHECK_FINITE: tl.constexpr,
     ROW_AMAX: tl.constexpr, AMAX_HERE: tl.constexpr = False, B=1,
+    MATRIX_AMAX: tl.constexpr = False, UNITS: tl.constexpr = False,
 ):
     """Quantize BM rows x KB blocks of x [B, M, K].
 
@@ -121,7 +122,9 @@ def quantize_kernel(
     amax holds one value a row [B * M] (a row-scaled spec) instead of one.
     AMAX_HERE: the program computes the amax itself (the whole tensor's, which every program
     reads; or its rows' with ROW_AMAX) and writes it to amax_ptr: a small operand's amax and
-    quantization in one launch instead of two.
+    quantization in one launch instead of two. MATRIX_AMAX: one amax for each x[b] (a stack
+    of matrices, each quantized as alone). UNITS (with FAKE): the values divided by the global
+    decode scale, i.e. E2M1 value times E4M3 block scale.
     """
     pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -143,6 +146,8 @@ def quantize_kernel(
             amax = tl.where(rows < M, amax, 0.0)[:, None]
         else:
             amax = tl.load(amax_ptr + b * M + rows, mask=rows < M, other=0.0)[:, None]
+    elif MATRIX_AMAX:
+        amax = tl.load(amax_ptr + b)
     else:
         if AMAX_HERE:
             amax = tensor_abs_max(x_ptr, B, M, K, sb, sm, sk, BM, KB, HADAMARD, SIGN_MASK)
@@ -151,7 +156,7 @@ def quantize_kernel(
         else:
             amax = tl.load(amax_ptr)
     store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scale_ptr, out_ptr,
-                    IS_2D, STOCHASTIC, FOUR_OVER_SIX, SCALE_MAX, FAKE, ROW_AMAX)
+                    IS_2D, STOCHASTIC, FOUR_OVER_SIX, SCALE_MAX, FAKE, ROW_AMAX, UNITS)
 
 
 @triton.jit
@@ -184,10 +189,11 @@ def quantize_pair_kernel(
 def store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scale_ptr, out_ptr,
                     IS_2D: tl.constexpr, STOCHASTIC: tl.constexpr,
                     FOUR_OVER_SIX: tl.constexpr, SCALE_MAX: tl.constexpr, FAKE: tl.constexpr,
-                    ROW_AMAX: tl.constexpr):
+                    ROW_AMAX: tl.constexpr, UNITS: tl.constexpr = False):
     """Quantize the half-blocks lo, hi [BM, KB, 8] of rows `rows`, blocks `kbs` of x[b] [M, K]
     (K padded to KP) with the global amax (0-d, or [BM, 1] with ROW_AMAX) and store them: the
-    dequantized values in out [B, M, K] (FAKE), or codes in data and scale bits in scale."""
+    dequantized values in out [B, M, K] (FAKE; UNITS: not times the decode scale), or codes
+    in data and scale bits in scale."""
     BM: tl.constexpr = lo.shape[0]
     KB: tl.constexpr = lo.shape[1]
     dec = global_decode(amax, SCALE_MAX)
@@ -235,9 +241,14 @@ def store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scal
         col_lo = kbs[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
         mask_lo = (rows < M)[:, None, None] & (col_lo < K)
         mask_hi = (rows < M)[:, None, None] & (col_lo + 8 < K)
-        tl.store(out_ptr + row_off * K + col_lo, cast_rne(val_lo * s * dec, out_ptr), mask=mask_lo)
-        tl.store(out_ptr + row_off * K + col_lo + 8, cast_rne(val_hi * s * dec, out_ptr),
-                 mask=mask_hi)
+        if UNITS:
+            out_lo = val_lo * s
+            out_hi = val_hi * s
+        else:
+            out_lo = val_lo * s * dec
+            out_hi = val_hi * s * dec
+        tl.store(out_ptr + row_off * K + col_lo, cast_rne(out_lo, out_ptr), mask=mask_lo)
+        tl.store(out_ptr + row_off * K + col_lo + 8, cast_rne(out_hi, out_ptr), mask=mask_hi)
     else:
         row_ok = (rows < M)[:, None, None]
         dcol = kbs[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]

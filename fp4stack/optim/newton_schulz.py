@@ -8,23 +8,22 @@ the quintic amplifies. Two guards keep it stable: the diagonal parts are applied
 
 `newton_schulz_batched` runs a stack of matrices of one shape together: every GEMM of a step is
 one batched GEMM (bmm / baddbmm) for the stack, and each NVFP4 operand is quantized matrix by
-matrix with its own global amax, exactly as one matrix's; a single matrix is the 2-D case of the
-same functions, with its own (mm / mv) calls.
+matrix with its own global amax, exactly as one matrix's, in one pass for the stack
+(`api.quantize_units`); a single matrix is the 2-D case of the same functions, with its own
+(mm / mv) calls.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..api import dequantize, quantize
+from ..api import quantize_units
 from ..formats.global_scale import global_decode_scale
 from ..formats.spec import QuantSpec
-from ..formats.tensor import NVFP4Tensor
 
 # Keller Jordan's quintic: its slope at zero is a = 3.4445, so five steps lift singular values
 # from ~1e-3 of the norm into roughly [0.7, 1.2] without converging exactly to 1.
@@ -74,23 +73,12 @@ class Operand(NamedTuple):
 def _operand(x: Tensor, spec: QuantSpec, reduce_dim: int) -> Operand:
     """x as an NVFP4 GEMM operand with blocks along `reduce_dim` (0: a right operand, quantized
     through its transpose, "column-wise"); a stack [B, m, n] matrix by matrix, each with its
-    own global amax (the same quantizations as B separate calls), dequantized at once."""
+    own global amax (the same quantizations as B separate calls), in one pass."""
     if reduce_dim == 0:
         return _operand(x.mT, spec, 1).T
-    if x.dim() == 3:
-        qs = [quantize(m.float().contiguous(), spec=spec) for m in x]
-        amax = torch.stack([q.amax for q in qs])
-        q = NVFP4Tensor(torch.stack([q.data for q in qs]), torch.stack([q.scales for q in qs]),
-                        amax[0], x.shape, spec)
-        dec = global_decode_scale(amax, spec.scale_max)[:, None, None]
-    else:
-        q = quantize(x.float().contiguous(), spec=spec)
-        dec = q.decode_scale
-    # Dequantizing with the amax whose decode scale is exactly 1 (6 * 448 * fl(1/2688) == 1 in
-    # fp32) gives the units; the operand's values are those of fake_quantize bit for bit.
-    full_range = 6.0 * spec.scale_max
-    units = dequantize(dataclasses.replace(q, amax=torch.full_like(q.amax, full_range)))
-    return Operand(units, dec)
+    units, amax = quantize_units(x, spec)
+    dec = global_decode_scale(amax, spec.scale_max)
+    return Operand(units, dec[:, None, None] if x.dim() == 3 else dec)
 
 
 @contextlib.contextmanager

@@ -44,36 +44,30 @@ def bench(fn, reps: int = 3, graph: bool = True) -> tuple[float, bool]:
     return statistics.median(ms), False
 
 
-def sweep_tiles(x: torch.Tensor, amax: torch.Tensor) -> list[dict]:
-    """Time the given-amax quantize for several tile shapes; the caller keeps the fastest."""
-    rows = []
-    spec = QuantSpec(nan_policy="propagate")
-    for bm in (2, 4, 8, 16):
-        for kb in (16, 32, 64):
-            for warps in (1, 2, 4):
-                if not 1024 <= bm * kb * 16 <= 32768 or bm * kb < 32 * warps:
-                    continue
-                kernels.QUANTIZE_TILE = kernels.TileConfig(bm, kb, warps)
-                ms, _ = bench(lambda: kernels.quantize(x, spec, amax=amax), reps=1)
-                rows.append({"block_m": bm, "blocks_k": kb, "num_warps": warps, "ms": ms})
-    rows.sort(key=lambda r: r["ms"])
-    return rows
+# Tile shapes (rows, 16-element blocks, warps) a sweep tries: row-major inputs, and column-major
+# ones (transposed views), whose tiles take many rows and few blocks.
+ROW_TILES = [(bm, kb, w) for bm in (2, 4, 8, 16) for kb in (16, 32, 64) for w in (1, 2, 4)
+             if 1024 <= bm * kb * 16 <= 32768 and bm * kb >= 32 * w]
+COLUMN_TILES = [(bm, kb, w) for bm in (32, 64, 128, 256) for kb in (1, 2, 4, 8)
+                for w in (1, 2, 4, 8) if 1024 <= bm * kb * 16 <= 16384 and bm >= 32 * w]
 
 
-def sweep_column_tiles(xt: torch.Tensor, amax: torch.Tensor) -> list[dict]:
-    """The same for the column-major tile, on the fake-quantize of a transposed view xt (the
-    training step's column-wise operands)."""
+def sweep_tiles(attr: str, shapes: list[tuple[int, int, int]], fn, label: str) -> list[dict]:
+    """Time `fn` with each tile shape as kernels.<attr>, leave the fastest set there, print the
+    six fastest and return every row, fastest first."""
     rows = []
-    spec = QuantSpec(nan_policy="propagate")
-    for bm in (32, 64, 128, 256):
-        for kb in (1, 2, 4, 8):
-            for warps in (1, 2, 4, 8):
-                if not 1024 <= bm * kb * 16 <= 16384 or bm < 32 * warps:
-                    continue
-                kernels.QUANTIZE_TILE_T = kernels.TileConfig(bm, kb, warps)
-                ms, _ = bench(lambda: kernels.fake_quantize(xt, spec, amax=amax), reps=1)
-                rows.append({"block_m": bm, "blocks_k": kb, "num_warps": warps, "ms": ms})
+    for bm, kb, warps in shapes:
+        setattr(kernels, attr, kernels.TileConfig(bm, kb, warps))
+        ms, _ = bench(fn, reps=1)
+        rows.append({"block_m": bm, "blocks_k": kb, "num_warps": warps, "ms": ms})
     rows.sort(key=lambda r: r["ms"])
+    best = rows[0]
+    setattr(kernels, attr, kernels.TileConfig(best["block_m"], best["blocks_k"],
+                                              best["num_warps"]))
+    print(f"{label} tile sweep, fastest first:")
+    for r in rows[:6]:
+        print(f"  rows={r['block_m']:3d} blocks={r['blocks_k']:3d} warps={r['num_warps']}  "
+              f"{r['ms'] * 1e3:7.1f} us")
     return rows
 
 
@@ -172,28 +166,14 @@ def main() -> None:
             kernels.quantize(x, prop, amax=amax)
         torch.cuda.synchronize()
 
-    if args.sweep:
-        rows = sweep_tiles(x, amax)
-        results["sweep"] = rows
-        best = rows[0]
-        kernels.QUANTIZE_TILE = kernels.TileConfig(best["block_m"], best["blocks_k"],
-                                                   best["num_warps"])
-        print("tile sweep (given amax), fastest first:")
-        for r in rows[:6]:
-            print(f"  rows={r['block_m']:3d} blocks={r['blocks_k']:3d} warps={r['num_warps']}  "
-                  f"{r['ms'] * 1e3:7.1f} us")
-
     xt = x.t()  # a column-major view, as the backward's column-wise operands are read
     if args.sweep:
-        rows = sweep_column_tiles(xt, amax)
-        results["sweep_column_major"] = rows
-        best = rows[0]
-        kernels.QUANTIZE_TILE_T = kernels.TileConfig(best["block_m"], best["blocks_k"],
-                                                     best["num_warps"])
-        print("column-major tile sweep (fake-quantize of x.t()), fastest first:")
-        for r in rows[:6]:
-            print(f"  rows={r['block_m']:3d} blocks={r['blocks_k']:3d} warps={r['num_warps']}  "
-                  f"{r['ms'] * 1e3:7.1f} us")
+        results["sweep"] = sweep_tiles(
+            "QUANTIZE_TILE", ROW_TILES, lambda: kernels.quantize(x, prop, amax=amax),
+            "quantize (given amax)")
+        results["sweep_column_major"] = sweep_tiles(
+            "QUANTIZE_TILE_T", COLUMN_TILES, lambda: kernels.fake_quantize(xt, prop, amax=amax),
+            "column-major fake-quantize of x.t()")
 
     y = torch.empty_like(x)
     copy_ms, _ = bench(lambda: y.copy_(x))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..train.command import add_jobs_argument
+
 # The config's choices, spelled out so that building the parser imports no torch (a test checks
 # them against rl.config's).
 ROLLOUTS = ("bf16", "fp8", "nvfp4", "quads", "w4a16", "nvfp4-token", "quads-token")
@@ -60,6 +62,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", help="comma-separated seeds: every run once per seed, each seed "
                                    "from its own SFT start (default: the config's seed)")
     p.add_argument("--out", default="runs/rl-compare", help="output directory")
+    add_jobs_argument(p)
     p.add_argument("--verbose", action="store_true",
                    help="print every run's log (SFT, each step, each mismatch alarm); default: "
                    "a progress bar and one line per run")
@@ -99,14 +102,18 @@ def run_rl_command(args: argparse.Namespace) -> int:
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
+    from ..parallel_runs import RunsFailedError
     from .compare import format_table, run_rl_comparison
 
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
         rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out,
-                                 verbose=args.verbose, seeds=seeds)
+                                 verbose=args.verbose, seeds=seeds, jobs=args.jobs)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl-compare", e)
+    except RunsFailedError as e:
+        print(f"fp4stack rl-compare: {e}", file=sys.stderr)
+        return 1
     print(format_table(rows))
     print(f"\nwritten: {args.out}/rl_compare.md, rl_compare.json, rl_compare.png")
     return 0

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from ..files import make_output_dir
+from ..parallel_runs import LOG_NAME, Job, run_jobs
 from ..train.metrics import read_metrics
 from .config import RLConfig
-from .trainer import run_rl
+from .trainer import run_rl, warm_up_policy
 
 DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
 _RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(/(?P<trainer>[a-z0-9-]+))?"
@@ -64,36 +65,47 @@ def parse_run(name: str) -> dict[str, Any]:
 
 def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
                       log: Callable[[str], None] = print, verbose: bool = True,
-                      seeds: list[int] | None = None) -> list[dict[str, Any]]:
+                      seeds: list[int] | None = None, jobs: int = 1) -> list[dict[str, Any]]:
     """Train each named run (see the module doc) from `cfg` (same task and SFT start) into
     out/<name>, or out/<name>/seed<N> for each of several `seeds` (default: the config's); a
     finished run (result.json present) is reused.
 
     verbose: every log line of every run goes to `log`. Otherwise each run shows a progress bar
     (on a terminal, with tqdm installed) and `log` gets one line per run: its steps, time and
-    how often the mismatch alarm fired.
+    how often the mismatch alarm fired. jobs > 1 makes each seed's SFT start, then trains that
+    many runs at once, each in its own process writing its output to <run dir>/run.log
+    (`parallel_runs`).
     """
+    if jobs < 1:
+        raise ValueError(f"jobs (--jobs) must be >= 1, got {jobs}")
     overrides = {name: parse_run(name) for name in runs}  # every name checked before any run
     seeds = list(seeds) if seeds else [cfg.seed]
     out = Path(out)
-    rows = []
+    planned, warm_ups, pending = [], {}, []
     for seed in seeds:
         sft = out / ("sft" if seed == cfg.seed else f"sft-seed{seed}")
         for name in runs:
             run_dir = out / name if len(seeds) == 1 else out / name / f"seed{seed}"
-            done = run_dir / "result.json"
-            if done.exists():
-                result = json.loads(done.read_text())
+            planned.append((name, seed, run_dir))
+            if (run_dir / "result.json").exists():
+                continue
+            run_cfg = cfg.with_overrides(**overrides[name], seed=seed, out=str(run_dir))
+            label = name if len(seeds) == 1 else f"{name} seed {seed}"
+            if jobs > 1:  # each seed's SFT start first, then the runs side by side
+                warm_ups.setdefault(seed, Job(f"SFT warm-up, seed {seed}", warm_up_policy,
+                                              dict(cfg=run_cfg, cache_dir=sft), sft / LOG_NAME))
+                pending.append(Job(label, run_rl, dict(cfg=run_cfg, cache_dir=sft),
+                                   run_dir / LOG_NAME))
+            elif verbose:
+                run_rl(run_cfg, log=log, cache_dir=sft)
             else:
-                run_cfg = cfg.with_overrides(**overrides[name], seed=seed, out=str(run_dir))
-                if verbose:
-                    result = run_rl(run_cfg, log=log, cache_dir=sft)
-                else:
-                    label = name if len(seeds) == 1 else f"{name} seed {seed}"
-                    with RunProgress(label, run_cfg.steps) as progress:
-                        result = run_rl(run_cfg, log=progress.log, cache_dir=sft)
-                    log(progress.summary(result, run_cfg.alarm_k3))
-            rows.append({"run": name, "seed": seed, **result})
+                with RunProgress(label, run_cfg.steps) as progress:
+                    result = run_rl(run_cfg, log=progress.log, cache_dir=sft)
+                log(progress.summary(result, run_cfg.alarm_k3))
+    run_jobs(list(warm_ups.values()), jobs, log)
+    run_jobs(pending, jobs, log)
+    rows = [{"run": name, "seed": seed, **json.loads((run_dir / "result.json").read_text())}
+            for name, seed, run_dir in planned]
     write_report(rows, out)
     return rows
 

@@ -175,6 +175,15 @@ def _activation_error(model, rollout, cfg: RLConfig, step: int, out: Path) -> di
     return summary
 
 
+def warm_up_policy(cfg: RLConfig, cache_dir: str | os.PathLike) -> None:
+    """Make the SFT start of `cfg` in cache_dir (or find it there), as `run_rl` would before its
+    first step: runs started side by side then all load it."""
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)  # the state run_rl starts its warm-up from
+    task = load_task(cfg.task, **cfg.task_options)
+    prepare_policy(cfg, task, device, Path(cache_dir))
+
+
 def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
     device = resolve_device(cfg.device)

@@ -112,13 +112,23 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="bitwise-reproducible runs (no cuDNN attention; default: the config's)")
+    add_jobs_argument(p)
     add_verbose_argument(p)
+
+
+def add_jobs_argument(p: argparse.ArgumentParser) -> None:
+    """--jobs, the same for `fp4stack compare` and `fp4stack rl-compare`."""
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each in its own process with its output in its "
+                   "directory's run.log (default 1: one after another); host-bound runs (FP4 "
+                   "recipes, rollouts) can share one GPU")
 
 
 def run_compare(args: argparse.Namespace) -> int:
     """`fp4stack compare`: train what is missing, then print the table."""
     from pathlib import Path
 
+    from ..parallel_runs import RunsFailedError
     from .compare import format_table, run_comparison
 
     recipes = [r for r in args.recipes.split(",") if r]
@@ -130,10 +140,13 @@ def run_compare(args: argparse.Namespace) -> int:
                               max_steps=args.max_steps, ckpt_every=args.ckpt_every,
                               data=args.data,
                               device=args.device, deterministic=args.deterministic,
-                              verbose=args.verbose)
+                              verbose=args.verbose, jobs=args.jobs)
     except (ValueError, FileNotFoundError) as e:
         print(f"fp4stack compare: error: {e}", file=sys.stderr)
         return 2
+    except RunsFailedError as e:
+        print(f"fp4stack compare: {e}", file=sys.stderr)
+        return 1
     print(format_table(rows))
     print(f"\nwritten: {Path(args.out) / 'compare.md'}, compare.json, compare.png")
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..files import make_output_dir
 from ..nn.recipe import recipe as get_recipe
+from ..parallel_runs import LOG_NAME, Job, run_jobs
 from .checkpoint import latest_checkpoint
 from .config import load_config, recipe_arg
 from .metrics import read_metrics
@@ -39,7 +40,7 @@ class RunRow:
 
 def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.PathLike, *,
                    seeds: tuple[int, ...] = (0,), baseline_seeds: tuple[int, ...] = (),
-                   train_missing: bool = True, verbose: bool = False,
+                   train_missing: bool = True, verbose: bool = False, jobs: int = 1,
                    **overrides) -> list[RunRow]:
     """Train every recipe at every seed in `seeds` (and BF16 at the extra `baseline_seeds`) from
     one config.
@@ -50,27 +51,38 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     result.json present) is reused and an interrupted one resumes from its last checkpoint, so an
     interrupted comparison picks up where it stopped. train_missing=False reports on the
     finished runs only and trains nothing. verbose: each quantized run lists every module
-    it converted or kept, not only the counts.
+    it converted or kept, not only the counts. jobs > 1 trains that many runs at once, each in
+    its own process writing its output to <run>/run.log (`parallel_runs`).
     """
+    if jobs < 1:
+        raise ValueError(f"jobs (--jobs) must be >= 1, got {jobs}")
     out = Path(out)
     if not seeds:
         raise ValueError("seeds is empty; give at least one seed (e.g. --seeds 0)")
     plan = [(r, s) for r in recipes for s in seeds]
     plan += [(BASELINE, s) for s in baseline_seeds if s not in seeds or BASELINE not in recipes]
     runs = {entry: _run(entry) for entry in dict.fromkeys(r for r, _ in plan)}
-    rows = []
-    for entry, s in plan:
-        label, recipe, optimizer = runs[entry]
-        run_dir = out / f"{label}-s{s}"
-        done = run_dir / "result.json"
-        if done.exists():
-            result = json.loads(done.read_text())
-        elif not train_missing:
-            continue
-        else:
+    dirs = [(runs[entry][0], s, out / f"{runs[entry][0]}-s{s}") for entry, s in plan]
+    pending = []
+    for (entry, s), (label, _, run_dir) in zip(plan, dirs, strict=True):
+        if train_missing and not (run_dir / "result.json").exists():
+            _, recipe, optimizer = runs[entry]
             cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir),
                               optimizer=optimizer, **overrides)
-            result = train(cfg, resume=latest_checkpoint(run_dir) is not None, verbose=verbose)
+            pending.append(Job(f"{label}-s{s}", train, dict(
+                cfg=cfg, resume=latest_checkpoint(run_dir) is not None, verbose=verbose),
+                run_dir / LOG_NAME))
+    if jobs > 1:
+        run_jobs(pending, jobs)
+    else:
+        for job in pending:
+            job.fn(**job.kwargs)
+    rows = []
+    for label, s, run_dir in dirs:
+        done = run_dir / "result.json"
+        if not done.exists():
+            continue
+        result = json.loads(done.read_text())
         rows.append(RunRow(label, s, float(result["final_val_loss"]),
                            float(result["tokens_per_s"]),
                            int(result["steps"]), str(run_dir),

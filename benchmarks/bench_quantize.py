@@ -90,7 +90,7 @@ def compile_check() -> list[str]:
 
     ptrs = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "data_ptr": "*u8",
             "scale_ptr": "*u8", "out_ptr": "*bf16", "out_t_ptr": "*bf16",
-            "nonfinite_ptr": "*i32", "partial_ptr": "*fp32"}
+            "nonfinite_ptr": "*i32", "partial_ptr": "*fp32", "partial_t_ptr": "*fp32"}
     base = dict(SIGN_MASK=kernels.SIGN_MASK, SCALE_MAX=448.0, CHECK_FINITE=False,
                 ROW_AMAX=False, AMAX_HERE=False, FOUR_OVER_SIX=False, HADAMARD=False,
                 STOCHASTIC=False, IS_2D=False, FAKE=True)
@@ -117,6 +117,9 @@ def compile_check() -> list[str]:
                     STOCHASTIC_T=col.rounding == "stochastic", FOUR_OVER_SIX_T=col.four_over_six)
         jobs.append((f"pair {label}", kj.quantize_pair_kernel, kernels.PAIR_TILE,
                      dict(pair_base, **opts)))
+    for rows, cols in ((False, True), (True, True)):  # the amaxes of a pair, one read
+        jobs.append((f"amax pair rht={rows}/{cols}", kj.amax_pair_kernel, kernels.PAIR_TILE,
+                     dict(HADAMARD=rows, HADAMARD_T=cols, SIGN_MASK=kernels.SIGN_MASK)))
     for layout, tile in (("row-major", kernels.AMAX_TILE), ("column-major", kernels.AMAX_TILE_T)):
         for rht in (False, True):
             jobs.append((f"amax rht={rht} {layout}", kj.amax_kernel, tile,

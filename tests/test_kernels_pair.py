@@ -69,6 +69,22 @@ def test_pair_matches_two_reference_calls(pair, shape):
     assert same_values(got[0], want[0]) and same_values(got[1], want[1])
 
 
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_pair_of_a_large_operand_takes_both_amaxes_from_one_read(pair, monkeypatch):
+    # Above SMALL_AMAX elements (lowered here) the two amaxes come from one pass over x when
+    # they differ (a transform on either side): several programs, partial tiles, a NaN row.
+    monkeypatch.setattr(kernels, "SMALL_AMAX", 0)
+    spec, spec_t = PAIRS[pair]
+    x = operand(72, 160, seed=4)
+    for nan in (False, True):
+        if nan:
+            x[70, 3] = float("nan")
+        got = kernels.fake_quantize_pair(x.to(DEVICE), spec, spec_t, seed=3, seed_t=4,
+                                         cols_t=80)
+        want = separate(x, spec, spec_t, 80, seed=3, seed_t=4)
+        assert same_values(got[0], want[0]) and same_values(got[1], want[1])
+
+
 @pytest.mark.parametrize("pair", ["nvidia-dy", "nvfp4"])
 def test_pair_draws_the_seeds_of_the_two_calls_in_their_order(pair):
     spec, spec_t = PAIRS[pair]

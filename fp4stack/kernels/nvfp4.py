@@ -273,6 +273,22 @@ def pair_fusable(x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec) -> bool:
         for s in (spec, spec_t))
 
 
+def _amax_pair(x: torch.Tensor, hadamard: bool, hadamard_t: bool):
+    """The global amaxes of x along its rows and of xᵀ along its rows (each transformed where
+    asked), from one read of x: two 0-d float32 tensors."""
+    m, k = x.shape
+    tile = PAIR_TILE
+    grid = (cdiv(m, tile.block_m), cdiv(k, tile.block_k), 1)
+    partial = torch.empty(2, grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    kj.amax_pair_kernel[grid](
+        x, partial[0], partial[1], m, k, *x.stride(), BM=tile.block_m, KB=tile.blocks_k,
+        HADAMARD=hadamard, HADAMARD_T=hadamard_t, SIGN_MASK=SIGN_MASK,
+        num_warps=tile.num_warps, **_launch_options(),
+    )
+    both = partial.amax(1)
+    return both[0], both[1]
+
+
 def fake_quantize_pair(
     x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec, *, amax=None, amax_t=None, seed=None,
     seed_t=None, cols_t: int | None = None, dtype: torch.dtype | None = None,
@@ -291,14 +307,18 @@ def fake_quantize_pair(
         return (fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype),
                 fake_quantize(xt, spec_t, amax=amax_t, seed=seed_t, name=name, dtype=dtype))
     x3 = x.reshape(1, m, k)
-    amax_r = (_amax(x3, spec) if amax is None
-              else reference.as_amax(amax, x.device, check=False))
-    if amax_t is not None:
-        amax_c = reference.as_amax(amax_t, x.device, check=False)
-    elif amax is None and not spec.hadamard and not spec_t.hadamard:
-        amax_c = amax_r  # max |x| is max |xᵀ| (not so after a transform along either dim)
+    same = not spec.hadamard and not spec_t.hadamard  # max |x| is max |xᵀ|; not so transformed
+    if amax is None and amax_t is None and not same and m * k > SMALL_AMAX:
+        amax_r, amax_c = _amax_pair(x, spec.hadamard, spec_t.hadamard)
     else:
-        amax_c = _amax(x.t().reshape(1, k, m), spec_t)
+        amax_r = (_amax(x3, spec) if amax is None
+                  else reference.as_amax(amax, x.device, check=False))
+        if amax_t is not None:
+            amax_c = reference.as_amax(amax_t, x.device, check=False)
+        elif amax is None and same:
+            amax_c = amax_r
+        else:
+            amax_c = _amax(x.t().reshape(1, k, m), spec_t)
     keys = []
     for s, sd in ((spec, seed), (spec_t, seed_t)):  # drawn in the two calls' order
         k1 = k2 = 0

@@ -63,6 +63,26 @@ def amax_kernel(x_ptr, partial_ptr, M, K, sb, sm, sk,
 
 
 @triton.jit
+def amax_pair_kernel(x_ptr, partial_ptr, partial_t_ptr, M, K, sm, sk,
+                     BM: tl.constexpr, KB: tl.constexpr, HADAMARD: tl.constexpr,
+                     HADAMARD_T: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """Per-program max |x| (NaN-propagating) of BM rows x KB blocks of x [M, K], along its
+    rows (transformed when HADAMARD) and along its columns (transformed when HADAMARD_T), from
+    one read: the two global amaxes of `fake_quantize_pair`, reduced on the host side."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    pid = pid_k * tl.num_programs(0) + pid_m
+    b = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    kbs = pid_k * KB + tl.arange(0, KB)
+    lo, hi, _, _ = load_halves(x_ptr, b, rows, kbs, M, K, 0, sm, sk, HADAMARD, SIGN_MASK)
+    tl.store(partial_ptr + pid, abs_max(abs_max(block_amax(lo, hi), 1), 0))
+    cols = pid_k * (KB * 16) + tl.arange(0, KB * 16)
+    mbs = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+    lo, hi, _, _ = load_halves(x_ptr, b, cols, mbs, K, M, 0, sk, sm, HADAMARD_T, SIGN_MASK)
+    tl.store(partial_t_ptr + pid, abs_max(abs_max(block_amax(lo, hi), 1), 0))
+
+
+@triton.jit
 def tensor_abs_max(x_ptr, B, M, K, sb, sm, sk, BM: tl.constexpr, KB: tl.constexpr,
                    HADAMARD: tl.constexpr, SIGN_MASK: tl.constexpr):
     """max |x| (NaN-propagating, a 0-d float32) of the whole [B, M, K] tensor, by one program."""

@@ -6,7 +6,8 @@ the pace. This times each layer of the fake-quantize path on a tensor so small t
 take a few microseconds, so that N calls issued back to back, then one synchronize, measure the
 host's cost per call: a plain torch op for scale, the global amax, one quantize launch with the
 amax given, the whole `kernels.fake_quantize`, the public autograd `fp4stack.fake_quantize`,
-and a linear's weight operand as `_QuantLinearFn` makes it (fp32 quantized into bf16).
+a linear's weight operand as `_QuantLinearFn` makes it (fp32 quantized into bf16), and an
+activation with its column-wise copy as two operands or as one pair.
 
     python benchmarks/bench_launch_overhead.py [--calls 2000] [--rows 64] [--out overhead.json]
 
@@ -28,7 +29,7 @@ import torch
 import fp4stack
 from fp4stack.api import _impl, backend_for
 from fp4stack.formats.spec import QuantSpec
-from fp4stack.nn.linear import quantize_operand
+from fp4stack.nn.operands import quantize_operand, quantize_operand_pair
 
 SPECS = {
     "rne 1x16": QuantSpec(nan_policy="propagate"),
@@ -66,6 +67,10 @@ def cases(spec: QuantSpec, rows: int, device: torch.device) -> dict[str, Callabl
         "fake_quantize": lambda: impl.fake_quantize(x, spec),
         "fp4stack.fake_quantize (autograd)": lambda: fp4stack.fake_quantize(x, spec=spec),
         "weight operand: fp32 -> bf16": lambda: quantize_operand(w, spec, dtype=torch.bfloat16),
+        # A linear's activation and its column-wise copy: two calls, or one pair
+        "x and x.t(): two operands": lambda: (quantize_operand(x, spec),
+                                              quantize_operand(x, spec, columnwise=True)),
+        "x and x.t(): one pair": lambda: quantize_operand_pair(x, spec, spec),
     }
     if backend_for(device) == "triton":
         from fp4stack.kernels import nvfp4 as kern

@@ -27,19 +27,16 @@ def available() -> bool:
     return True
 
 
-def quantize(*args, **kwargs):
-    from .nvfp4 import quantize
-
-    return quantize(*args, **kwargs)
-
-
-def dequantize(*args, **kwargs):
-    from .nvfp4 import dequantize
-
-    return dequantize(*args, **kwargs)
+# The backend module's functions (ops.impl returns this package for CUDA tensors, as it returns
+# formats.nvfp4 for the others): loaded from kernels/nvfp4.py on first use, so importing the
+# package does not import Triton.
+BACKEND_FUNCTIONS = ("quantize", "dequantize", "fake_quantize", "fake_quantize_pair",
+                     "quantize_units")
 
 
-def fake_quantize(*args, **kwargs):
-    from .nvfp4 import fake_quantize
+def __getattr__(name: str):
+    if name in BACKEND_FUNCTIONS:
+        from . import nvfp4
 
-    return fake_quantize(*args, **kwargs)
+        return getattr(nvfp4, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

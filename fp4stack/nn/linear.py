@@ -68,8 +68,10 @@ class _QuantLinearFn(torch.autograd.Function):
         wd = qw if recipe.w_dgrad is None else weight_operand(weight, recipe.w_dgrad,
                                                               columnwise=True, dtype=dtype)
         if not paired:
-            xw = None if not weight_grad else qx if recipe.x_wgrad is None else (
-                quantize_operand(x, recipe.x_wgrad, shared, columnwise=True, dtype=dtype))
+            xw = None
+            if weight_grad:
+                xw = qx if recipe.x_wgrad is None else quantize_operand(
+                    x, recipe.x_wgrad, shared, columnwise=True, dtype=dtype)
         ctx.recipe, ctx.has_bias, ctx.weight_grad = recipe, bias is not None, weight_grad
         ctx.save_for_backward(wd, xw)
         return y

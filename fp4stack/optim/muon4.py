@@ -313,7 +313,7 @@ class Muon4(torch.optim.Optimizer):
             dequantize(NVFP4Tensor(d, s, a, (rows, cols), self._state_spec()))
             for d, s, a in zip(data, scales, fields[2].reshape(-1), strict=True)
         ]
-        return torch.stack(mats).view(p.shape)
+        return _stacked(mats).view(p.shape)
 
     def _store_momentum(self, p: Tensor, state: dict[str, Any], buf: Tensor, index: int,
                         step: int) -> None:
@@ -323,9 +323,9 @@ class Muon4(torch.optim.Optimizer):
         qs = [quantize(m, spec=spec, seed=state_seed(self.seed, index, e, step))
               for e, m in enumerate(buf.view(-1, rows, cols))]
         lead = p.shape[:-2]
-        state["momentum_data"] = torch.stack([q.data for q in qs]).view(*lead, rows, -1)
-        state["momentum_scales"] = torch.stack([q.scales for q in qs]).view(*lead, rows, -1)
-        state["momentum_amax"] = torch.stack([q.amax for q in qs]).view(lead)
+        state["momentum_data"] = _stacked([q.data for q in qs]).view(*lead, rows, -1)
+        state["momentum_scales"] = _stacked([q.scales for q in qs]).view(*lead, rows, -1)
+        state["momentum_amax"] = _stacked([q.amax for q in qs]).view(lead)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout for the Muon states, plus the inner AdamW's under "adamw"."""
@@ -371,6 +371,11 @@ class Muon4(torch.optim.Optimizer):
             return own + self.adamw.state_bytes()
         return own + sum(v.numel() * v.element_size() for s in self.adamw.state.values()
                          for v in s.values() if isinstance(v, Tensor))
+
+
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    # One matrix (every 2-D parameter) is a view, not a copy: a launch fewer per field and step.
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _whole_matrices(p: Tensor, update: Tensor) -> tuple[Callable[[Tensor, float], None], Tensor]:

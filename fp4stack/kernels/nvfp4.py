@@ -100,26 +100,35 @@ def column_major(x3: torch.Tensor) -> bool:
     return x3.shape[1] > 1 and x3.shape[2] > 1 and x3.stride(1) == 1 and x3.stride(2) != 1
 
 
+def _quantize_tile(x3: torch.Tensor, spec: QuantSpec) -> TileConfig:
+    """The quantize kernel's tile for x3: column-major, 16x16 tiles, or the row-major one."""
+    if column_major(x3):
+        return QUANTIZE_TILE_T
+    return QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
+
+
 def _grid(x3: torch.Tensor, kp: int, tile: TileConfig) -> tuple[int, int, int]:
     b, m, _ = x3.shape
     return cdiv(m, tile.block_m), cdiv(kp, tile.block_k), b
 
 
-def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """The global amax of x3 [B, M, K]: 0-d, or [B * M] for a row-scaled spec. Up to
-    SMALL_AMAX elements one program computes it (one launch); above, a grid of programs and a
-    torch reduction of their partial maxima."""
+def _amax(x3: torch.Tensor, spec: QuantSpec, per_matrix: bool = False) -> torch.Tensor:
+    """The global amax of x3 [B, M, K]: 0-d, or [B * M] for a row-scaled spec, or with
+    per_matrix one a matrix x3[b], [B]. Up to SMALL_AMAX elements one program computes it (one
+    launch); above, a grid of programs and a torch reduction of their partial maxima (numbered
+    matrix by matrix)."""
     b, m, k = x3.shape
     rows = spec.row_scaled
     if b * m * k <= SMALL_AMAX:
         bm = min(triton.next_power_of_2(m), 16)
-        out = torch.empty(b * m if rows else (), dtype=torch.float32, device=x3.device)
+        out = torch.empty(b * m if rows or per_matrix else (), dtype=torch.float32,
+                          device=x3.device)
         kj.amax_small_kernel[(1,)](
             x3, out, b, m, k, *x3.stride(), BM=bm, KB=max(1, 256 // bm),
-            HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK, ROWS=rows, num_warps=4,
+            HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK, ROWS=rows or per_matrix, num_warps=4,
             **_launch_options(),
         )
-        return out
+        return out.view(b, m).amax(1) if per_matrix else out
     tile = AMAX_TILE_T if column_major(x3) else AMAX_TILE
     grid = _grid(x3, padded_k(k), tile)
     n = grid[1] * b * m if rows else grid[0] * grid[1] * grid[2]
@@ -129,6 +138,8 @@ def _amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         BM=tile.block_m, KB=tile.blocks_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
         ROWS=rows, num_warps=tile.num_warps, **_launch_options(),
     )
+    if per_matrix:
+        return partial.view(b, -1).amax(1)
     return partial.view(grid[1], b * m).amax(0) if rows else partial.amax()
 
 
@@ -155,10 +166,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
     b, m, k = x3.shape
     kp = padded_k(k)
     check = spec.nan_policy == "raise"
-    if column_major(x3):
-        tile = QUANTIZE_TILE_T
-    else:
-        tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
+    tile = _quantize_tile(x3, spec)
     grid = _grid(x3, kp, tile)
     # With the amax computed here, a non-finite input shows in it; otherwise the kernel counts.
     check_amax = here = False
@@ -341,30 +349,6 @@ def fake_quantize_pair(
     return out, out_t
 
 
-def _matrix_amax(x3: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """max |x3[b]| of each matrix of x3 [B, M, K] (after the transform when spec.hadamard), [B]:
-    the per-row (small) or per-program maxima of `_amax`'s kernels, reduced per matrix."""
-    b, m, k = x3.shape
-    if b * m * k <= SMALL_AMAX:
-        bm = min(triton.next_power_of_2(m), 16)
-        rows = torch.empty(b * m, dtype=torch.float32, device=x3.device)
-        kj.amax_small_kernel[(1,)](
-            x3, rows, b, m, k, *x3.stride(), BM=bm, KB=max(1, 256 // bm),
-            HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK, ROWS=True, num_warps=4,
-            **_launch_options(),
-        )
-        return rows.view(b, m).amax(1)
-    tile = AMAX_TILE_T if column_major(x3) else AMAX_TILE
-    grid = _grid(x3, padded_k(k), tile)
-    partial = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.float32, device=x3.device)
-    kj.amax_kernel[grid](
-        x3, partial, m, k, *x3.stride(),
-        BM=tile.block_m, KB=tile.blocks_k, HADAMARD=spec.hadamard, SIGN_MASK=SIGN_MASK,
-        ROWS=False, num_warps=tile.num_warps, **_launch_options(),
-    )
-    return partial.view(b, -1).amax(1)  # programs are numbered matrix by matrix
-
-
 def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Each matrix of x [..., M, K] quantized with its own global amax, as units (float32 E2M1
     value x E4M3 block scale) and the amaxes: reference.quantize_units's bits, in three launches
@@ -378,12 +362,9 @@ def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     b = x3.shape[0]
     if x3.numel() == 0:
         return reference.quantize_units(x, spec)
-    amax = _matrix_amax(x3, spec)
+    amax = _amax(x3, spec, per_matrix=True)
     out = torch.empty((b, m, k), dtype=torch.float32, device=x.device)
-    if column_major(x3):
-        tile = QUANTIZE_TILE_T
-    else:
-        tile = QUANTIZE_TILE_2D if spec.is_2d else QUANTIZE_TILE
+    tile = _quantize_tile(x3, spec)
     kj.quantize_kernel[_grid(x3, padded_k(k), tile)](
         x3, amax, out, out, out, out, m, k, padded_k(k), *x3.stride(), 0, 0,
         BM=tile.block_m, KB=tile.blocks_k, IS_2D=spec.is_2d, HADAMARD=spec.hadamard,

@@ -5,6 +5,7 @@ Bandwidth counts the bytes that must move: each input read once per pass the alg
 (two passes over x when the global amax is computed in the call), each output written once.
 
     python benchmarks/bench_quantize.py [--size 8192] [--sweep] [--out results.json]
+    python benchmarks/bench_quantize.py --only pair   # only the cases whose name has "pair"
     python benchmarks/bench_quantize.py --compile-check   # no GPU: build the kernels for sm_90
 """
 
@@ -50,6 +51,20 @@ ROW_TILES = [(bm, kb, w) for bm in (2, 4, 8, 16) for kb in (16, 32, 64) for w in
              if 1024 <= bm * kb * 16 <= 32768 and bm * kb >= 32 * w]
 COLUMN_TILES = [(bm, kb, w) for bm in (32, 64, 128, 256) for kb in (1, 2, 4, 8)
                 for w in (1, 2, 4, 8) if 1024 <= bm * kb * 16 <= 16384 and bm >= 32 * w]
+
+
+def transposing(in_place: bool, fn):
+    """fn, called with transposed operands read in place or copied to rows first."""
+
+    def call():
+        saved = kernels.TRANSPOSE_IN_KERNEL
+        kernels.TRANSPOSE_IN_KERNEL = in_place
+        try:
+            return fn()
+        finally:
+            kernels.TRANSPOSE_IN_KERNEL = saved
+
+    return call
 
 
 def sweep_tiles(attr: str, shapes: list[tuple[int, int, int]], fn, label: str) -> list[dict]:
@@ -142,6 +157,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--warmup-s", type=float, default=5.0,
                     help="seconds of quantize calls before timing, so SM clocks have ramped up")
+    ap.add_argument("--only", default=None,
+                    help="time only the cases whose name contains this text (e.g. 'pair')")
     ap.add_argument("--compile-check", action="store_true",
                     help="no GPU needed: compile the training step's quantize kernels for sm_90")
     args = ap.parse_args()
@@ -175,8 +192,8 @@ def main() -> None:
             "QUANTIZE_TILE", ROW_TILES, lambda: kernels.quantize(x, prop, amax=amax),
             "quantize (given amax)")
         results["sweep_column_major"] = sweep_tiles(
-            "QUANTIZE_TILE_T", COLUMN_TILES, lambda: kernels.fake_quantize(xt, prop, amax=amax),
-            "column-major fake-quantize of x.t()")
+            "QUANTIZE_TILE_T", COLUMN_TILES, transposing(True, lambda: kernels.fake_quantize(
+                xt, prop, amax=amax)), "column-major fake-quantize of x.t()")
 
     y = torch.empty_like(x)
     copy_ms, _ = bench(lambda: y.copy_(x))
@@ -208,29 +225,27 @@ def main() -> None:
                       2 * x_bytes))
 
     # The backward's column-wise operand: x.t() read in place by the column-major tile, against
-    # the copy to a contiguous x.t() first (what the linears did before).
+    # the copy to contiguous rows first (kernels.TRANSPOSE_IN_KERNEL, off by default); the
+    # amax computed, so the column-major amax kernel is timed too.
     for label, spec in [("RNE", prop),
                         ("SR", QuantSpec(rounding="stochastic", nan_policy="propagate")),
                         ("RHT+SR", QuantSpec(hadamard=True, rounding="stochastic",
                                              nan_policy="propagate"))]:
-        cases.append((f"column-wise fake-quantize {label}, x.t() read in place",
-                      lambda spec=spec: kernels.fake_quantize(xt, spec, amax=amax, seed=1),
-                      2 * x_bytes))
-        cases.append((f"column-wise fake-quantize {label}, x.t() copied first",
-                      lambda spec=spec: kernels.fake_quantize(xt.contiguous(), spec, amax=amax,
-                                                              seed=1),
-                      4 * x_bytes))
+        for how, flag in (("read in place", True), ("copied first", False)):
+            cases.append((f"column-wise fake-quantize {label}, x.t() {how}",
+                          transposing(flag, lambda spec=spec: kernels.fake_quantize(
+                              xt, spec, amax=amax, seed=1)), (2 if flag else 4) * x_bytes))
+            cases.append((f"column-wise fake-quantize {label}, amax computed, x.t() {how}",
+                          transposing(flag, lambda spec=spec: kernels.fake_quantize(
+                              xt, spec, seed=1)), (3 if flag else 5) * x_bytes))
 
-    # A linear's operand and its column-wise copy: one pair kernel against the two calls
-    # (the column-wise one reading x.t() in place); both amaxes given.
+    # A linear's operand and its column-wise copy, amaxes computed as the linears do: one pair
+    # kernel (in place) against the two calls (the column-wise one copied to rows first).
     for label, (row, col) in PAIRS.items():
-        cases.append((f"pair {label}, one kernel",
-                      lambda row=row, col=col: kernels.fake_quantize_pair(
-                          x, row, col, amax=amax, amax_t=amax, seed=1, seed_t=2), 3 * x_bytes))
-        cases.append((f"pair {label}, two calls",
-                      lambda row=row, col=col: (
-                          kernels.fake_quantize(x, row, amax=amax, seed=1),
-                          kernels.fake_quantize(xt, col, amax=amax, seed=2)), 4 * x_bytes))
+        for how, flag in (("one kernel", True), ("two calls", False)):
+            cases.append((f"pair {label}, {how}", transposing(
+                flag, lambda row=row, col=col: kernels.fake_quantize_pair(
+                    x, row, col, seed=1, seed_t=2)), (4 if flag else 8) * x_bytes))
 
     ref_fake = lambda: reference.fake_quantize(x, prop, amax=amax)  # noqa: E731
     compiled = torch.compile(ref_fake)
@@ -241,6 +256,8 @@ def main() -> None:
         ("torch reference quantize (torch.compile)", compiled_q, x_bytes + q_bytes),
     ]
 
+    if args.only:
+        cases = [c for c in cases if args.only in c[0]]
     rows = []
     for label, fn, nbytes in cases:
         try:
@@ -253,9 +270,10 @@ def main() -> None:
                      "cuda_graph": graphed})
     results["rows"] = rows
 
-    given = next(r for r in rows if r["case"] == "quantize, amax given")["us"]
-    computed = next(r for r in rows if r["case"] == "quantize, amax computed")["us"]
-    results["amax_target_ratio"] = computed / (read_ms * 1e3 + given)
+    times = {r["case"]: r["us"] for r in rows}
+    if "quantize, amax given" in times and "quantize, amax computed" in times:
+        results["amax_target_ratio"] = times["quantize, amax computed"] / (
+            read_ms * 1e3 + times["quantize, amax given"])
 
     print(f"\n{results['device']}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{n}x{n} bf16, {results['date']}")
@@ -265,8 +283,10 @@ def main() -> None:
         how = "graph replay" if r["cuda_graph"] else "eager calls"
         print(f"| {r['case']} | {how} | {r['us']:.1f} | {r['tbps']:.2f} | "
               f"{100 * r['of_copy']:.0f}% |")
-    print(f"\namax computed / (one read of x + amax given) = {results['amax_target_ratio']:.2f}"
-          f" (one read of x at copy bandwidth = {read_ms * 1e3:.1f} us)")
+    if "amax_target_ratio" in results:
+        print(f"\namax computed / (one read of x + amax given) = "
+              f"{results['amax_target_ratio']:.2f} (one read of x at copy bandwidth = "
+              f"{read_ms * 1e3:.1f} us)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

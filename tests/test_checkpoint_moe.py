@@ -354,7 +354,7 @@ def test_transformers_loads_it(ct, tmp_path, arch):
         assert torch.equal(got, want)
 
 
-def test_restoring_experts_refuses_another_checkpoint(tmp_path):
+def test_restoring_experts_refuses_another_checkpoint(ct, tmp_path):
     save_quantized(make("qwen3_moe", 0, "qat-w"), tmp_path / "a")
     save_quantized(make("qwen3_moe", 1, "qat-w"), tmp_path / "b")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a")
@@ -382,7 +382,7 @@ def test_moe_exports_warn_once_about_transformers_expert_loading(tmp_path):
         save_quantized(make("gpt", 0, "qat-w"), tmp_path / "gpt-hf", config=hf_config("qwen3_moe"))
 
 
-def test_transformers_loads_w4a4_experts_without_their_input_scales(tmp_path):
+def test_transformers_loads_w4a4_experts_without_their_input_scales(ct, tmp_path):
     # transformers dequantizes experts at load (weights only): their activation scales are the
     # only keys it does not take; the dense layers keep theirs.
     save_quantized(calibrated("qwen3_moe", 0), tmp_path)

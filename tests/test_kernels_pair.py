@@ -28,6 +28,12 @@ PAIRS = {  # (row spec, column spec): the recipes' (x, x_wgrad) and (dy, dy_wgra
 }
 
 
+@pytest.fixture(autouse=True)
+def in_place(monkeypatch):
+    # The pair kernel only runs where transposed operands are read in place.
+    monkeypatch.setattr(kernels, "TRANSPOSE_IN_KERNEL", True)
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.cpu(), b.cpu()
     view = {4: torch.int32, 2: torch.int16}[a.element_size()]
@@ -121,7 +127,7 @@ def test_pair_of_strided_input_and_fallbacks():
     assert same_values(got[0], want[0]) and same_values(got[1], want[1])
     # Specs the kernel does not take (16x16 tiles, a NaN check, row scales) make two calls.
     for spec in (QuantSpec(block=(16, 16), **P), QuantSpec(), QuantSpec(global_scale="row", **P)):
-        assert not kernels.pair_fusable(x, spec, RNE)
+        assert kernels.pair_fusable(x, RNE, RNE) and not kernels.pair_fusable(x, spec, RNE)
         got = kernels.fake_quantize_pair(x.to(DEVICE), spec, RNE, cols_t=48)
         want = separate(x, spec, RNE, 48)
         assert same_values(got[0], want[0]) and same_values(got[1], want[1])
@@ -153,3 +159,13 @@ def test_api_pair_names_what_is_wrong():
         fake_quantize_pair(torch.randn(16, 32), RNE, QuantSpec.fp8("row"), name="acts")
     with pytest.raises(TypeError, match="seed must be an int"):
         fake_quantize_pair(torch.randn(16, 32), SR, SR, seed_t=1.5)
+
+
+def test_pair_without_in_place_transposes_makes_two_calls(monkeypatch):
+    monkeypatch.setattr(kernels, "TRANSPOSE_IN_KERNEL", False)
+    x = operand(48, 96, seed=3)
+    assert not kernels.pair_fusable(x, RNE, RHT)
+    got = kernels.fake_quantize_pair(x.to(DEVICE), *PAIRS["nvidia-dy"], seed=1, seed_t=2,
+                                     cols_t=48)
+    want = separate(x, *PAIRS["nvidia-dy"], 48, seed=1, seed_t=2)
+    assert same_values(got[0], want[0]) and same_values(got[1], want[1])

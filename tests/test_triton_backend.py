@@ -45,8 +45,16 @@ def test_the_package_exposes_every_backend_function():
         kernels.nope  # noqa: B018
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4-nvidia", "nvfp4-4over6"])
-def test_a_quantized_linear_trains_alike_on_both_backends(name, triton_on_cpu):
+def test_a_quantized_linear_trains_alike_on_both_backends(name, in_place, triton_on_cpu,
+                                                          monkeypatch):
+    # Both ways of taking the backward's transposed operands: copied to rows, or in place
+    # (the column-major tiles and the pair kernel).
+    from fp4stack.kernels import nvfp4
+
+    monkeypatch.setattr(nvfp4, "TRANSPOSE_IN_KERNEL", in_place)
+
     def step():
         torch.manual_seed(0)
         layer = QuantLinear(64, 48, bias=True, recipe=name)

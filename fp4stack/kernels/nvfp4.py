@@ -44,13 +44,24 @@ AMAX_TILE = TileConfig(block_m=32, blocks_k=32, num_warps=8)
 # A column-major operand (a transposed view: the backward's column-wise copies of x and dy) has
 # its rows contiguous in memory. The row-major tiles would read 4 or 32 neighbouring rows (8-64
 # bytes) of each column; these take many rows and few blocks, so a warp's load covers 64 or 128
-# neighbouring rows of one column, and the transposed copy the kernel would otherwise need is
-# not made. Any tile gives the same bits (whole 16x16 tiles: block_m is a multiple of 16).
+# neighbouring rows of one column, and no transposed copy is made (with TRANSPOSE_IN_KERNEL,
+# below). Any tile gives the same bits (whole 16x16 tiles: block_m is a multiple of 16).
 QUANTIZE_TILE_T = TileConfig(block_m=64, blocks_k=2, num_warps=2)
 AMAX_TILE_T = TileConfig(block_m=128, blocks_k=4, num_warps=4)
 # fake_quantize_pair: rows x blocks of x a program takes for both of its operands (block_m a
 # multiple of 16: whole blocks of xᵀ).
 PAIR_TILE = TileConfig(block_m=32, blocks_k=4, num_warps=4)
+# Whether a transposed operand is read in place (the column-major tiles above, and the pair
+# kernel for a linear's two operands) or first copied to contiguous rows for the row-major
+# kernels. Off: on the H200 (2026-12-05, `medium` preset, nvfp4-nvidia, compiled) the in-place
+# kernels made the step 1.42x slower (1,194 against 839 ms). Triton lays their tiles out for
+# coalesced loads along the transposed rows, so a block's 16 elements sit in different threads
+# and warps, and every block maximum and Hadamard butterfly goes through shared memory: the
+# pair kernel took 567 us a call and the column-wise RHT amax 225 us, against 46 and 25 us a
+# call for a transposed copy and the row-major kernels. The in-place kernels give the same
+# bits and stay tested (their tests switch this on), for a layout that keeps a block in one
+# thread.
+TRANSPOSE_IN_KERNEL = False
 # Operands up to this many elements (a decoding step's activations) take the one-program amax.
 SMALL_AMAX = 1 << 16
 # Operands up to this many elements, read whole (or their rows whole) by at most
@@ -100,6 +111,12 @@ def column_major(x3: torch.Tensor) -> bool:
     return x3.shape[1] > 1 and x3.shape[2] > 1 and x3.stride(1) == 1 and x3.stride(2) != 1
 
 
+def _rows_contiguous(x3: torch.Tensor) -> torch.Tensor:
+    """x3, copied to contiguous rows if it is column-major and the kernels do not read
+    transposed operands in place (TRANSPOSE_IN_KERNEL)."""
+    return x3.contiguous() if column_major(x3) and not TRANSPOSE_IN_KERNEL else x3
+
+
 def _quantize_tile(x3: torch.Tensor, spec: QuantSpec) -> TileConfig:
     """The quantize kernel's tile for x3: column-major, 16x16 tiles, or the row-major one."""
     if column_major(x3):
@@ -117,6 +134,7 @@ def _amax(x3: torch.Tensor, spec: QuantSpec, per_matrix: bool = False) -> torch.
     per_matrix one a matrix x3[b], [B]. Up to SMALL_AMAX elements one program computes it (one
     launch); above, a grid of programs and a torch reduction of their partial maxima (numbered
     matrix by matrix)."""
+    x3 = _rows_contiguous(x3)
     b, m, k = x3.shape
     rows = spec.row_scaled
     if b * m * k <= SMALL_AMAX:
@@ -162,7 +180,7 @@ def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
 def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
          out_dtype: torch.dtype | None = None):
     reference.check_input(x, spec, name)
-    x3 = _as_3d(x, spec)
+    x3 = _rows_contiguous(_as_3d(x, spec))
     b, m, k = x3.shape
     kp = padded_k(k)
     check = spec.nan_policy == "raise"
@@ -273,10 +291,10 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 
 def pair_fusable(x: torch.Tensor, spec: QuantSpec, spec_t: QuantSpec) -> bool:
-    """Whether `fake_quantize_pair` makes both operands in one kernel: x is a non-empty
-    matrix, both specs NVFP4 with 1x16 blocks, one global scale and no NaN check (the linears'
-    operands)."""
-    return x.dim() == 2 and x.numel() > 0 and all(
+    """Whether `fake_quantize_pair` makes both operands in one kernel: transposed operands
+    are read in place (TRANSPOSE_IN_KERNEL), x is a non-empty matrix, both specs NVFP4 with
+    1x16 blocks, one global scale and no NaN check (the linears' operands)."""
+    return TRANSPOSE_IN_KERNEL and x.dim() == 2 and x.numel() > 0 and all(
         s.format == "nvfp4" and not s.is_2d and not s.row_scaled and s.nan_policy == "propagate"
         for s in (spec, spec_t))
 
@@ -358,7 +376,7 @@ def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     if x.dim() < 2:
         raise ValueError(f"quantize_units takes matrices, got shape {tuple(x.shape)}")
     m, k = x.shape[-2:]
-    x3 = x.reshape(-1, m, k)
+    x3 = _rows_contiguous(x.reshape(-1, m, k))
     b = x3.shape[0]
     if x3.numel() == 0:
         return reference.quantize_units(x, spec)

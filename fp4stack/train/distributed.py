@@ -105,11 +105,15 @@ def wrap(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
         ids = [env.device.index] if env.device.type == "cuda" else None
         return DDP(model, device_ids=ids)
     if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh on the run's device type: by default FSDP2 takes the machine's accelerator,
+        # which a CPU (gloo) run on a GPU machine must not touch.
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
         for block in model.model.layers:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     raise ValueError(f"distributed must be ddp or fsdp2, got {mode!r}")
 

@@ -7,8 +7,9 @@ lowest index first (a stable descending sort's first k). Values are compared as 
 bit patterns read as unsigned integers, which orders every value >= +0 as the floats do, and
 puts NaN above +inf (where torch's sort puts it too). Energies are sums of squares, never
 negative; negative inputs would order above the positive ones, so they are not for this. One
-program: the vector sits in registers, its k-th largest bit pattern is found by 32
-rounds of binary search (one count each), and the ties by one prefix sum.
+program: the vector sits in registers, its k-th largest bit pattern is found 4 bits at a time
+(a radix select: 8 rounds of a 16-bin histogram, where a binary search took 32 rounds of a
+block-wide count, each a barrier), and the ties by one prefix sum.
 """
 
 from __future__ import annotations
@@ -27,12 +28,27 @@ def top_k_mask(v, ok, K):
     """v[i] is among the K largest of v[ok] (ties lowest index first; 0 < K): the entries
     outside `ok` never count and are never chosen. v: float32 values >= +0 (or NaN)."""
     bits = v.to(tl.uint32, bitcast=True)
-    # The largest pattern t with at least K entries >= t is the K-th largest.
+    # The largest pattern t with at least K entries >= t is the K-th largest. Its bits are
+    # fixed 4 at a time, highest first: with t's higher bits fixed, an entry whose higher
+    # bits equal t's counts in the bin of its next 4 bits, one whose higher bits exceed t's
+    # in the top bin (it is >= every candidate), one below in none. The number of entries
+    # >= t | (j << s) is then the count of bins j..15; t takes the largest j where that is
+    # still >= K (j = 0 always qualifies: t's own count is >= K).
     t = tl.full((), 0, tl.uint32)
-    for b in tl.static_range(31, -1, -1):
-        cand = t | (1 << b)
-        count = tl.sum((ok & (bits >= cand)).to(tl.int32), axis=0)
-        t = tl.where(count >= K, cand, t)
+    bins = tl.arange(0, 16)
+    for s in tl.static_range(28, -1, -4):
+        digit = ((bits >> s) & 15).to(tl.int32)
+        if s == 28:  # no higher bits yet
+            live = ok
+        else:
+            high = bits >> (s + 4)
+            above = high > (t >> (s + 4))
+            digit = tl.where(above, 15, digit)
+            live = ok & (above | (high == (t >> (s + 4))))
+        hist = tl.histogram(digit, 16, mask=live)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries in bins >= j
+        j = tl.sum(((at_least >= K) & (bins > 0)).to(tl.int32), axis=0)
+        t = t | (j.to(tl.uint32) << s)
     above = ok & (bits > t)
     tie = ok & (bits == t)
     need = K - tl.sum(above.to(tl.int32), axis=0)

@@ -96,8 +96,9 @@ def functional_op(name: str, fake: Callable[..., Any]):
     fake-tensor and meta implementation. Returns the op (torch.ops.fp4stack.<name>.default).
 
     A call goes from the dispatcher straight to the function, without custom_op's Python
-    autograd and dispatch wrappers. Those cost ~15 us a call on the CPU (4 us here), and a
-    compiled training step calls the quantizer ops thousands of times. The function must
+    autograd and dispatch wrappers, which cost more host time than the quantizer's own Python
+    (benchmarks/op_dispatch_overhead.py); a compiled training step calls the quantizer ops
+    thousands of times. The function must
     neither mutate its inputs nor return one of them (see `_fresh`); it has no autograd
     formula (the layers call it inside their own autograd functions)."""
 

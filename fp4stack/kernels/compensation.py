@@ -127,7 +127,11 @@ def select_kernel(sums_ptr, norms_ptr, x_ptr, q_ptr, rows_ptr, tile_group_ptr, R
          * tl.load(norms_ptr + (j * G).to(tl.int64) * K + row_g, mask=ok, other=0.0))
     chosen = top_k_mask(v, ok, COUNT)
     q_ptr += j * QS
-    for i in range(TILE):
+    if SORTED:  # noqa: SIM108 (padding slots hold R: masked below)
+        n_slots = TILE
+    else:  # the tile's rows that exist (a decoding step's one row, not 16)
+        n_slots = tl.minimum(TILE, R - t * TILE)
+    for i in range(n_slots):
         slot = t * TILE + i
         if SORTED:  # noqa: SIM108
             row = tl.load(rows_ptr + slot)

@@ -133,10 +133,17 @@ def test_compiled_hf_llama_step_gives_eager_bits():
     assert_same_bits(step_bits(make, None), step_bits(make, "aot_eager"))
 
 
-def test_compiled_quantizers_take_an_amax_the_graph_computes():
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
+def test_compiled_quantizers_take_an_amax_the_graph_computes(in_place, monkeypatch):
     # Under compile, a plain NVFP4 operand's amax (per tensor, no Hadamard transform, no NaN
     # check) is torch ops before the quantizer op, which Inductor fuses into x's producer,
-    # instead of the op's own amax launch. Same bits: the tests above and below.
+    # instead of the op's own amax launch. Same bits: the tests above and below. Where the
+    # kernels read transposes in place, x and dy go with their column-wise copies as pairs;
+    # otherwise each operand is its own op, the column-wise ones on copies made in the graph.
+    pytest.importorskip("triton")
+    from fp4stack.kernels import nvfp4
+
+    monkeypatch.setattr(nvfp4, "TRANSPOSE_IN_KERNEL", in_place)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -150,8 +157,15 @@ def test_compiled_quantizers_take_an_amax_the_graph_computes():
              for n in sub.graph.nodes if n.op == "call_function"]  # autograd.Function's too
     single = [n for n in calls if str(n.target).endswith("fake_quantize.default")]
     pairs = [n for n in calls if "fake_quantize_pair" in str(n.target)]
-    assert len(single) == 2  # W and its column-wise copy
-    assert len(pairs) == 2  # x with the column-wise x, dy with the column-wise dy
+    if in_place:
+        assert len(single) == 2  # W and its column-wise copy
+        assert len(pairs) == 2  # x with the column-wise x, dy with the column-wise dy
+    else:
+        assert len(single) == 6 and not pairs  # x, W, dy and the column-wise copy of each
+        copies = [n for gm in graphs for sub in gm.modules()
+                  if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes
+                  if n.op == "call_method" and n.target == "contiguous"]
+        assert len(copies) >= 2, "the column-wise copies are made in the graph"
     assert all(n.args[2] is not None for n in single)  # (x, spec, amax, ...)
     assert all(n.args[3] is not None and n.args[4] is not None for n in pairs)  # both amaxes
     assert not any("global_amax" in str(n.target) for n in calls)

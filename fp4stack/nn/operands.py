@@ -47,8 +47,21 @@ def quantize_operand(t: torch.Tensor, spec: QuantSpec | None, amax=None,
     pad = -tt.shape[-1] % _BLOCK if spec.hadamard else 0
     if pad:
         tt = F.pad(tt, (0, pad))
-    # The kernels read the transposed view as it is (a column-major tile): no copy of t first.
+    if not transposes_in_place():  # copied here, where Inductor can fuse it into t's producer
+        tt = tt.contiguous()
     return fake_quantize(tt, spec=spec, amax=amax, dtype=dtype, seed=seed).t()
+
+
+def transposes_in_place() -> bool:
+    """Whether the Triton kernels read a transposed operand in place and make an operand with
+    its column-wise copy in one kernel (`kernels.nvfp4.TRANSPOSE_IN_KERNEL`). Otherwise the
+    column-wise operands are transposed copies quantized row by row, the copy made in the
+    caller's graph, so that a compiled step can fuse it into the tensor's producer."""
+    if not kernels.available():
+        return False
+    from ..kernels import nvfp4
+
+    return nvfp4.TRANSPOSE_IN_KERNEL
 
 
 def quantize_operand_pair(t: torch.Tensor, spec: QuantSpec | None, spec_t: QuantSpec | None,
@@ -56,10 +69,10 @@ def quantize_operand_pair(t: torch.Tensor, spec: QuantSpec | None, spec_t: Quant
                           seed=None, seed_t=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize_operand(t, spec, amax, seed=seed), quantize_operand(t, spec_t, amax_t,
     columnwise=True, seed=seed_t)), both in `dtype`: the same values and random draws, in that
-    order, with both made from one read of the matrix t where both specs are NVFP4
-    (`api.fake_quantize_pair`)."""
+    order, with both made from one read of the matrix t where both specs are NVFP4 and the
+    kernels read transposes in place (`api.fake_quantize_pair`, `transposes_in_place`)."""
     if (t.dim() != 2 or spec is None or spec_t is None or spec.format != "nvfp4"
-            or spec_t.format != "nvfp4"):
+            or spec_t.format != "nvfp4" or not transposes_in_place()):
         return (quantize_operand(t, spec, amax, dtype=dtype, seed=seed),
                 quantize_operand(t, spec_t, amax_t, columnwise=True, dtype=dtype, seed=seed_t))
     cols_t = t.shape[0] + (-t.shape[0] % _BLOCK if spec_t.hadamard else 0)

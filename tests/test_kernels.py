@@ -300,14 +300,13 @@ def test_non_contiguous_input():
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("in_place", [True, False])
-def test_column_major_input(name, in_place, monkeypatch):
-    # A transposed view (the backward's column-wise operands) is read as it is by the
-    # column-major tile (in_place), or copied to rows first, with partial tiles on both sides
-    # and a NaN; its amax by the grid kernel's column-major tile too (the one-program size
-    # lowered to reach it).
+def test_column_major_input(name, monkeypatch):
+    # A transposed view (the backward's column-wise operands) read as it is by the column-major
+    # tile (TRANSPOSE_IN_KERNEL; by default it is copied to rows, which the row-major tests
+    # cover), with partial tiles on both sides and a NaN; its amax by the grid kernel's
+    # column-major tile too (the one-program size lowered to reach it).
     monkeypatch.setattr(kernels, "SMALL_AMAX", 0)
-    monkeypatch.setattr(kernels, "TRANSPOSE_IN_KERNEL", in_place)
+    monkeypatch.setattr(kernels, "TRANSPOSE_IN_KERNEL", True)
     x = wide_range(48, 144, seed=len(name)).to(DEVICE)
     xt = x.t()  # [144, 48], rows contiguous
     assert kernels.column_major(kernels._as_3d(xt, SPECS[name]))

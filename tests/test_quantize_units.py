@@ -41,11 +41,11 @@ def stack(b: int, m: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("small", [True, False], ids=["one-program-amax", "grid-amax"])
-@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
-def test_kernel_stack_matches_reference(name, small, in_place, monkeypatch):
+def test_kernel_stack_matches_reference(name, small, monkeypatch):
     if not small:  # several programs a matrix, both ways round
         monkeypatch.setattr(kernels, "SMALL_AMAX", 0)
-    monkeypatch.setattr(kernels, "TRANSPOSE_IN_KERNEL", in_place)
+    # The transposed view read in place (by default it is copied to rows: the first view's case)
+    monkeypatch.setattr(kernels, "TRANSPOSE_IN_KERNEL", True)
     x = stack(5, 32, 48) if small else stack(3, 160, 96)
     for view in (x, x.mT):  # a right operand is quantized through its transpose: column-major
         got = kernels.quantize_units(view.to(DEVICE), SPECS[name])

@@ -67,10 +67,11 @@ def cases(spec: QuantSpec, rows: int, device: torch.device) -> dict[str, Callabl
         "fake_quantize": lambda: impl.fake_quantize(x, spec),
         "fp4stack.fake_quantize (autograd)": lambda: fp4stack.fake_quantize(x, spec=spec),
         "weight operand: fp32 -> bf16": lambda: quantize_operand(w, spec, dtype=torch.bfloat16),
-        # A linear's activation and its column-wise copy: two calls, or one pair
+        # A linear's activation and its column-wise copy: two calls, or the pair (one kernel
+        # where the kernels read transposes in place, two calls otherwise)
         "x and x.t(): two operands": lambda: (quantize_operand(x, spec),
                                               quantize_operand(x, spec, columnwise=True)),
-        "x and x.t(): one pair": lambda: quantize_operand_pair(x, spec, spec),
+        "x and x.t(): quantize_operand_pair": lambda: quantize_operand_pair(x, spec, spec),
     }
     if backend_for(device) == "triton":
         from fp4stack.kernels import nvfp4 as kern

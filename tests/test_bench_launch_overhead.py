@@ -43,7 +43,7 @@ def test_main_prints_a_row_per_case_and_writes_json(tmp_path, monkeypatch, capsy
     body = {line.split(" | ")[0][2:] for line in lines[3:]}
     assert body == {"torch op (x + 1)", "fake_quantize, amax given", "fake_quantize",
                     "fp4stack.fake_quantize (autograd)", "weight operand: fp32 -> bf16",
-                    "x and x.t(): two operands", "x and x.t(): one pair"}
+                    "x and x.t(): two operands", "x and x.t(): quantize_operand_pair"}
     data = json.loads(out.read_text())
     assert set(data["us_per_call"]) == set(bench.SPECS)
     assert all(v > 0 for r in data["us_per_call"].values() for v in r.values())

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 os.environ["TRITON_INTERPRET"] = "1"  # kernels defined for the CPU; their launches are stubbed
 
 import torch  # noqa: E402
+from bench_launch_overhead import host_us  # noqa: E402 (this folder's timing of host calls)
 
 
 class _NoLaunch:
@@ -24,14 +23,6 @@ class _NoLaunch:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
-
-
-def per_call_us(fn, reps: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return 1e6 * (time.perf_counter() - start) / reps
 
 
 def main() -> None:
@@ -59,8 +50,8 @@ def main() -> None:
         "backend function (kernels.fake_quantize)":
             lambda: kernels.fake_quantize(x, spec, amax=amax),
     }
-    rows = {label: statistics.median(per_call_us(fn, args.reps) for _ in range(args.rounds))
-            for label, fn in cases.items()}
+    cpu = torch.device("cpu")
+    rows = {label: host_us(fn, args.reps, cpu, repeats=args.rounds) for label, fn in cases.items()}
     for label, us in rows.items():
         print(f"{label:45s} {us:7.1f} us a call")
     op, direct = rows.values()

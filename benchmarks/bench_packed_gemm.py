@@ -284,12 +284,17 @@ def compile_check(quick: bool) -> list[str]:
         jobs.append((f"quads quantize+energy amax_here={here} row_amax={rows} sorted={sort}",
                      comp.quantize_energy_kernel, 4, None,
                      dict(TILE=16, KB=comp.ENERGY_BLOCKS, SORTED=sort, ROW_AMAX=rows,
-                          FOUR_OVER_SIX=False, SCALE_MAX=448.0, AMAX_HERE=here)))
+                          FOUR_OVER_SIX=False, SCALE_MAX=448.0, AMAX_HERE=here, KEEP=False)))
+    for sort in (False, True):  # static channels: x~ in this one launch, from keep masks
+        jobs.append((f"quads quantize with static channels sorted={sort}",
+                     comp.quantize_energy_kernel, 4, None,
+                     dict(TILE=16, KB=comp.ENERGY_BLOCKS, SORTED=sort, ROW_AMAX=False,
+                          FOUR_OVER_SIX=False, SCALE_MAX=448.0, AMAX_HERE=not sort, KEEP=True)))
     for sort in (False, True):
         jobs.append((f"quads select sorted={sort}", comp.select_kernel, 4, None,
                      dict(TILE=16, BLOCK=2048, SORTED=sort)))
     ptrs.update(tiles_ptr="*i32", q_ptr="*bf16", sums_ptr="*fp32", norms_ptr="*fp32",
-                tile_group_ptr="*i32")
+                tile_group_ptr="*i32", keep_ptr="*u8")
     ptrs["out_ptr"] = "*bf16"
     lines = []
     for label, fn, warps, stages, consts in jobs:

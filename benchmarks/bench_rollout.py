@@ -148,11 +148,19 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
     g = torch.Generator(device=device).manual_seed(0)
     for precision in precisions:
         kw = dict(dtype=dtype, temperature=1.0, logprobs=args.logprobs,
-                  compensation=args.compensation)
+                  compensation=args.compensation, compensation_mode=args.compensation_mode)
         engine = FastRolloutEngine(base, tok, precision, **kw)
         variants = [("fast", engine)] + [
             (name, FastRolloutEngine(base, tok, precision, **options, **kw))
             for name, options in engine_variants(args)]
+        static = (args.compensation_mode == "static" and engine.recipe is not None
+                  and engine.recipe.compensation is not None)
+        if static:  # channels fixed once, from random sequences of the prompt's length
+            calibration = torch.randint(1, cfg.vocab_size, (8, args.prompt), generator=g,
+                                        device=device).tolist()
+            for _, eng in variants:
+                eng.calibrate(calibration)
+        label = f"{precision}:static" if static else precision
         for batch in batches:
             prompts = torch.randint(1, cfg.vocab_size, (batch, args.prompt), generator=g,
                                     device=device).tolist()
@@ -170,7 +178,7 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                 if args.profile and name != "reference" and device.type == "cuda":
                     r["profile"] = step_profile(functools.partial(generate, prompts, g), n)
                 steps_s = bandwidth / weights
-                emit({"shape": shape, "precision": precision, "engine": name, "batch": batch,
+                emit({"shape": shape, "precision": label, "engine": name, "batch": batch,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,
                       "kv_mb": kv / 1e6, "roofline_tokens_per_s": batch * steps_s,
                       "roofline_kv_tokens_per_s": batch * bandwidth / (weights + kv),
@@ -278,6 +286,8 @@ def main() -> None:
                         "(the engine fuses them by default)")
     p.add_argument("--logprobs", default="score", choices=("score", "sample"))
     p.add_argument("--compensation", type=float, default=0.05, help="quads: channel fraction")
+    p.add_argument("--compensation-mode", default="dynamic", choices=("dynamic", "static"),
+                   help="quads: channels per batch, or fixed by a calibration forward")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (median)")
     p.add_argument("--grpo-step", action="store_true",
                    help="instead: time GRPO steps of configs/rl/small-moe.yaml per engine")

@@ -132,3 +132,49 @@ def test_siblings_share_one_quantization_and_choose_their_own_channels(spec):
     for j in range(3):
         assert torch.equal(got[j], x_tilde(x, SPECS[spec], 5, norms[j]))
     assert not torch.equal(got[0], got[1])  # other norms, other channels
+
+
+def random_keep(rows: int, k: int, count: int, seed: int) -> torch.Tensor:
+    """[rows, k] bool, `count` True per row at random channels."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(rows, k, dtype=torch.bool)
+    for r in range(rows):
+        keep[r, torch.randperm(k, generator=g)[:count]] = True
+    return keep.to(DEVICE)
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_channels_are_q_of_x_with_x_at_the_kept_ones(spec, dtype):
+    """keep= (calibrated channels): x~ = where(keep, x, Q(x)) in one launch, for a layer, its
+    siblings (a mask each) and a grouped MoE's pairs (each expert's mask and amax)."""
+    s = SPECS[spec]
+    x = activations(DENSE_TILE + 3, 48, dtype, seed=4)
+    q = fake_quantize(x, spec=s)
+    keep = random_keep(3, 48, 7, seed=1)
+    assert torch.equal(compensated_operand(x, s, 0, None, keep=keep[0]),
+                       torch.where(keep[0], x, q))
+    got = compensated_operand(x, s, 0, None, keep=keep)
+    assert got.shape == (3, DENSE_TILE + 3, 48)
+    for j in range(3):
+        assert torch.equal(got[j], torch.where(keep[j], x, q))
+    assert torch.equal(compensated_operand(x, s, 0, None, keep=torch.ones_like(keep[0])), x)
+
+    t, top_k, n_experts = 11, 2, 4
+    indices = torch.randn(t, n_experts, generator=torch.Generator().manual_seed(5)
+                          ).topk(top_k, dim=-1).indices.to(DEVICE)
+    x = activations(t, 48, dtype, seed=6)
+    keep = random_keep(n_experts, 48, 5, seed=2)
+    groups = indices.reshape(-1)
+    amax = None if s.row_scaled else moe_align.group_amax(x, top_k, groups, n_experts)
+    got = compensated_operand(x, s, 0, None, amax=amax, keep=keep, row_div=top_k,
+                              alignment=moe_align.align_pairs(indices, n_experts, 4))
+    pairs_x = x.repeat_interleave(top_k, dim=0)
+    for e in range(n_experts):
+        mine = (groups == e).nonzero().flatten()
+        if mine.numel():
+            rows = pairs_x[mine]
+            q = fake_quantize(rows, spec=s, amax=None if s.row_scaled else amax[e])
+            assert torch.equal(got[mine], torch.where(keep[e], rows, q)), e
+    with pytest.raises(ValueError, match="must end in K=48"):
+        compensated_operand(x, s, 0, None, keep=keep[:, :40])

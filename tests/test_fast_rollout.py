@@ -93,6 +93,40 @@ def test_greedy_decoding_equals_the_reference_engine(moe, precision):
     assert len(fast._slots) == 1
 
 
+def calibrated_pair(base: GPT, **kw):
+    """Reference and fast engines in QUADS with static channels, each calibrated on the same
+    sequences."""
+    ref, fast = pair(base, "quads", compensation=0.25, compensation_mode="static", **kw)
+    seqs = [TOK.encode(t) for t in ("12+34=46", "7+5=12", "40+41+1=82", "9*9=81")]
+    assert ref.calibrate(seqs) == fast.calibrate(seqs) == 4
+    return ref, fast
+
+
+def static_channels(model: GPT) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers() if "rc_channels" in n}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_static_compensation_calibrated_once_decodes_as_the_reference(moe):
+    # Static QUADS: channels fixed by calibration (experts each their own), kept by a refit.
+    base = policy(moe)
+    ref, fast = calibrated_pair(base, temperature=0.0, max_new_tokens=6)
+    fixed = static_channels(fast.model)
+    assert fixed and all(torch.equal(fixed[n], b) for n, b in static_channels(ref.model).items())
+    assert any("rc_channels_gate_up" in n for n in fixed) == moe
+    for prompts in (PROMPTS, OTHER):
+        assert_same(ref.generate(prompts), fast.generate(prompts))
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ref.sync(base)
+    fast.sync(base)
+    assert all(torch.equal(fixed[n], b) for n, b in static_channels(fast.model).items())
+    assert_same(ref.generate(PROMPTS), fast.generate(PROMPTS))
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        RolloutEngine(base, TOK, "bf16").calibrate([[1, 2]])
+
+
 def ref_prompt_len(prompts) -> int:
     return max(len(p) for p in prompts)
 
@@ -334,6 +368,18 @@ def test_graph_decoding_equals_the_reference_on_cuda(moe, precision):
 
 
 @gpu
+@pytest.mark.parametrize("moe", [False, True])
+def test_static_compensation_graphs_on_cuda(moe):
+    # The calibrated channels as keep masks in the operand kernel (one launch), captured.
+    base = policy(moe, device="cuda")
+    ref, fast = calibrated_pair(base, temperature=0.0, max_new_tokens=12)
+    with _no_capture_warning():
+        for prompts in (PROMPTS, OTHER):
+            assert_same(ref.generate(prompts), fast.generate(prompts), exact_logprobs=False)
+    assert fast.captured_graphs == 1
+
+
+@gpu
 def test_graph_sampling_in_bf16_on_cuda():
     base = policy(moe=True, device="cuda")
     fast = FastRolloutEngine(base, TOK, "quads", max_new_tokens=16, dtype=torch.bfloat16,
@@ -369,18 +415,20 @@ def test_rollout_benchmark_rows_on_cpu():
         experts * (1 - 0.5**64))
     args = argparse.Namespace(prompt=5, new_tokens=4, reference_new_tokens=2, no_reference=False,
                               logprobs="score", compensation=0.05, repeats=1, profile=False,
-                              compile=False, unfused=True)
+                              compile=False, unfused=True, compensation_mode="static")
     rows = []
     bench.SHAPES["test"] = dict(vocab_size=20, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                 ffn_hidden=64)
     try:
-        bench.bench_shape("test", ["nvfp4"], [3], args, torch.device("cpu"), 1e10, rows.append)
+        bench.bench_shape("test", ["nvfp4", "quads"], [3], args, torch.device("cpu"), 1e10,
+                          rows.append)
     finally:
         del bench.SHAPES["test"]
-    assert [(r["engine"], r["new_tokens"]) for r in rows] == [
-        ("fast", 4), ("fast-unfused", 4), ("reference", 2)]
+    assert [(r["precision"], r["engine"], r["new_tokens"]) for r in rows] == [
+        (p, e, n) for p in ("nvfp4", "quads:static")  # static: calibrated, and labelled so
+        for e, n in (("fast", 4), ("fast-unfused", 4), ("reference", 2))]
     assert all(r["tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 for r in rows)
-    assert bench.format_table(rows).count("\n") == 4
+    assert bench.format_table(rows).count("\n") == 7
 
 
 @pytest.mark.parametrize("device,precision", [

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp4stack import recipe
-from fp4stack.convert import quantize_model
+from fp4stack.convert import calibrate, quantize_model
 from fp4stack.data.char_tokenizer import CharTokenizer
 from fp4stack.formats.spec import QuantSpec
 from fp4stack.models import GPT, GPTConfig
@@ -94,10 +94,6 @@ def test_no_fusion_under_gradients_or_for_groups_that_differ(monkeypatch):
     assert calls == [1]
     assert project(x, mlp.up_proj, mlp.gate_proj)[0].shape[-1] == mlp.up_proj.out_features
     assert calls == [1]  # not the fused members' order
-    quads = gpt()
-    static = recipe("w4a4-rc").with_(compensation=ResidualCompensation(mode="static"))
-    quantize_model(quads, static)  # each member's own calibrated channels: not fused
-    assert fuse_projections(quads) == 0
 
 
 @pytest.mark.parametrize("name", ["w4a4", "w4a16", "w4a4-rc", "w4a4-rc-token"])
@@ -115,6 +111,27 @@ def test_packed_groups_match_the_unfused_layers(name, monkeypatch):
     assert group.data is not None and group.intact()
     assert attn.v_proj.weight_data.data_ptr() == group.data[sum(group.sizes[:2])].data_ptr()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_static_channels_fuse_and_match_the_unfused_layers(monkeypatch):
+    # Static QUADS: each member's calibrated channels as its own keep mask in one launch, one
+    # GEMM for the group, as each member alone.
+    monkeypatch.setattr(operands_mod, "_FUSED_ON_CPU", True)
+    r = recipe("w4a4-rc")
+    static = r.with_(compensation=ResidualCompensation(k=0.25, mode="static"))
+    model, x = packed(gpt().to(DEVICE), static), tokens().to(DEVICE)
+    calibrate(model, [x])
+    attn = model.model.layers[0].self_attn
+    assert not torch.equal(attn.q_proj.rc_channels, attn.k_proj.rc_channels)
+    with torch.no_grad():
+        want = model(x)[0]
+        fused = copy.deepcopy(model)
+        assert fuse_projections(fused) == 2 * fused.config.n_layers
+        got = fused(x)[0]
+        dynamic = packed(gpt().to(DEVICE), r)
+        dynamic.load_state_dict(model.state_dict(), strict=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, dynamic(x)[0])  # the calibrated channels, not this batch's
 
 
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4", "quads"])

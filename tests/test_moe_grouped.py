@@ -151,6 +151,45 @@ def test_grouped_compensation_matches_the_loop(fused_on_cpu, monkeypatch, kind, 
         assert not torch.equal(got, uncompensated)  # the experts' activations are corrected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_channels_calibrated_per_expert_grouped_as_the_loop(fused_on_cpu, monkeypatch,
+                                                                    dtype):
+    # Static compensation: calibration fixes each expert's channels per projection (an expert
+    # no token reached takes its projection's over all experts); the grouped kernels read them
+    # as keep masks, the loop as indices: the same x~, as in the dynamic test above.
+    r = recipe("w4a4-rc")
+    static = r.with_(compensation=replace(r.compensation, mode="static", k=0.25))
+    torch.manual_seed(0)
+    mod = QuantExperts.from_experts(Experts(D, H, E).to(DEVICE, dtype), static)
+    w, idx = routing(24, 2, seed=7, skip=(5,))
+    scale = torch.logspace(-2, 1, D)
+    mod.start_calibration()
+    with torch.no_grad():
+        mod.loop_forward((torch.randn(24, D) * scale).to(DEVICE, dtype), w, idx)
+    mod.finish_calibration()
+    k_gu, k_dn = static.compensation.count(D), static.compensation.count(H)
+    assert mod.rc_channels_gate_up.shape == (E, k_gu)
+    assert mod.rc_channels_down.shape == (E, k_dn)
+    assert not torch.equal(mod.rc_channels_gate_up[0], mod.rc_channels_gate_up[1])
+    keep = mod.grouped_operands(dtype)[3][0][1]
+    assert keep.dtype == torch.bool and keep.sum(1).tolist() == [k_gu] * E
+    x = (torch.randn(24, D) * scale).to(DEVICE, dtype)
+    with torch.no_grad():
+        got = mod(x, w, idx)
+        if dtype == torch.float32:
+            want = mod.loop_forward(x, w, idx)
+        else:
+            with monkeypatch.context() as m:
+                m.setattr(inference_ops, "kernels_run", lambda _: False)
+                want = mod(x, w, idx)
+        dynamic = QuantExperts.from_experts(Experts(D, H, E).to(DEVICE, dtype), r)
+        dynamic.load_state_dict(mod.state_dict(), strict=False)
+        other = dynamic(x, w, idx)
+    tol = 2e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert not torch.equal(got, other)  # calibrated channels, not this batch's
+
+
 def test_grouped_compensation_of_every_channel_is_w4a16(fused_on_cpu):
     # C = all channels: x~ = x, so the result is the weight-only (W4A16) experts' bit for bit.
     full = recipe("w4a4-rc").with_(compensation=replace(recipe("w4a4-rc").compensation, k=1.0))

@@ -297,10 +297,24 @@ def test_rl_compare_run_names_parse_into_the_arms():
                                         "correction": "none", "compensation": 0.125}
     assert parse_run("nvfp4-token/qat-w+tis") == {"rollout": "nvfp4-token", "trainer": "qat-w",
                                                   "correction": "token-tis"}
+    assert parse_run("quads@0.5:static")["compensation_mode"] == "static"
     for bad, match in (("fp4", "rollout 'fp4'"), ("nvfp4@0.5", "quads"), ("quads@1.5", r"\(0, 1\]"),
+                       ("nvfp4:static", "compensation mode"),
                        ("bf16/fp32", "trainer 'fp32'"), ("quads 0.5", "ROLLOUT")):
         with pytest.raises(ValueError, match=match):
             parse_run(bad)
+
+
+def test_static_compensation_is_calibrated_once_before_the_first_rollout(tmp_path):
+    lines = []
+    result = run_rl(tiny_config(tmp_path, compensation_mode="static", compensation=0.25,
+                                calibration_size=8, steps=2, eval_every=0, sft_steps=3),
+                    log=lines.append)
+    assert result["compensation_mode"] == "static" and result["steps"] == 2
+    assert sum("compensation channels fixed from 8 task examples" in ln for ln in lines) == 1
+    assert any(ln == f"rl: start weights {result['start_weights']}" for ln in lines)
+    with pytest.raises(ValueError, match="compensation_mode must be one of"):
+        tiny_config(tmp_path, compensation_mode="fixed")
 
 
 def test_rl_compare_seeds_and_compensation_fractions(tmp_path):

@@ -43,14 +43,16 @@ AMAX_BLOCKS = tl.constexpr(32)  # 16-column blocks a step of its in-kernel amax 
 
 
 @triton.jit
-def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr,
-                           R, K, sxm, DIV, N_TILES, J, QS,
+def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr, keep_ptr,
+                           R, K, sxm, DIV, N_TILES, J, QS, G,
                            TILE: tl.constexpr, KB: tl.constexpr, SORTED: tl.constexpr,
                            ROW_AMAX: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
-                           SCALE_MAX: tl.constexpr, AMAX_HERE: tl.constexpr = False):
+                           SCALE_MAX: tl.constexpr, AMAX_HERE: tl.constexpr = False,
+                           KEEP: tl.constexpr = False):
     """q[j, r] = fake_quantize(x[r // DIV]) (j < J) for the rows r of group g = program_id(0),
     and sums[g, c] = sum_r (x - q)[r, c]² over the columns of program_id(1); output j starts
-    QS elements after output j - 1.
+    QS elements after output j - 1. KEEP (static channels): no sums; q[j, r, c] = x[r // DIV, c]
+    where keep[j * G + g, c] (bool) is set, the whole x~ in this one launch.
     SORTED: the group's rows are rows_ptr[t * TILE ...] for its tiles tiles_ptr[g] ..
     tiles_ptr[g + 1] (R marks padding); else rows 0 .. R in N_TILES tiles. The amax is
     amax[r // DIV] (ROW_AMAX) or amax[g]; AMAX_HERE: computed by the program itself, x's rows'
@@ -95,17 +97,28 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
         base = q_ptr + rows.to(tl.int64)[:, None, None] * K
         for j in range(J):  # an output per sibling, each to get its own channels back
             out = base + j * QS
-            tl.store(out + col_lo, q_lo, mask=mask_lo)
-            tl.store(out + col_lo + 8, q_hi, mask=mask_hi)
-        # The residual in x's dtype (torch's x - Q(x)), then float32 squares.
-        r_lo = cast_rne(lo - q_lo.to(tl.float32), q_ptr).to(tl.float32)
-        r_hi = cast_rne(hi - q_hi.to(tl.float32), q_ptr).to(tl.float32)
-        acc_lo += tl.sum(tl.where(mask_lo, r_lo * r_lo, 0.0), axis=0)
-        acc_hi += tl.sum(tl.where(mask_hi, r_hi * r_hi, 0.0), axis=0)
-    cols = kbs[:, None] * 16 + tl.arange(0, 8)[None, :]
-    out = g.to(tl.int64) * K + cols
-    tl.store(sums_ptr + out, acc_lo, mask=cols < K)
-    tl.store(sums_ptr + out + 8, acc_hi, mask=cols + 8 < K)
+            if KEEP:  # x's own values (exact in its dtype) at the kept channels
+                keep = keep_ptr + (j * G + g).to(tl.int64) * K
+                keep_lo = tl.load(keep + col_lo, mask=col_lo < K, other=0) != 0
+                keep_hi = tl.load(keep + col_lo + 8, mask=col_lo + 8 < K, other=0) != 0
+                tl.store(out + col_lo, tl.where(keep_lo, cast_rne(lo, q_ptr), q_lo),
+                         mask=mask_lo)
+                tl.store(out + col_lo + 8, tl.where(keep_hi, cast_rne(hi, q_ptr), q_hi),
+                         mask=mask_hi)
+            else:
+                tl.store(out + col_lo, q_lo, mask=mask_lo)
+                tl.store(out + col_lo + 8, q_hi, mask=mask_hi)
+        if not KEEP:
+            # The residual in x's dtype (torch's x - Q(x)), then float32 squares.
+            r_lo = cast_rne(lo - q_lo.to(tl.float32), q_ptr).to(tl.float32)
+            r_hi = cast_rne(hi - q_hi.to(tl.float32), q_ptr).to(tl.float32)
+            acc_lo += tl.sum(tl.where(mask_lo, r_lo * r_lo, 0.0), axis=0)
+            acc_hi += tl.sum(tl.where(mask_hi, r_hi * r_hi, 0.0), axis=0)
+    if not KEEP:
+        cols = kbs[:, None] * 16 + tl.arange(0, 8)[None, :]
+        out = g.to(tl.int64) * K + cols
+        tl.store(sums_ptr + out, acc_lo, mask=cols < K)
+        tl.store(sums_ptr + out + 8, acc_hi, mask=cols + 8 < K)
 
 
 @triton.jit
@@ -148,10 +161,15 @@ def operand_supported(spec: QuantSpec, k: int) -> bool:
     return rows_fake_quantize_supported(spec) and 0 < k <= MAX_LENGTH
 
 
-def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: torch.Tensor, *,
-                        amax: torch.Tensor | None = None, alignment=None,
-                        row_div: int = 1) -> torch.Tensor:
+def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int,
+                        norms: torch.Tensor | None, *, amax: torch.Tensor | None = None,
+                        alignment=None, row_div: int = 1,
+                        keep: torch.Tensor | None = None) -> torch.Tensor:
     """x~ in x's dtype (see the module doc), no host sync.
+
+    keep (static channels, calibrated): bool masks in the place of `norms` ([K], [J, K] or
+    [E, K]), True where x~ takes x; then x~ is one launch, with no energies and no choice
+    (count and norms are not read).
 
     Dense (alignment None): x [M, K] is one group; norms [K] = ||Q(W)[:, c]||², or [J, K] for J
     sibling weights of this input (then the result is [J, M, K], an x~ per sibling); amax an
@@ -185,15 +203,19 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: tor
         amax = _amax(x.reshape(1, -1, k), spec)
     amax = amax if here else amax.to(torch.float32).contiguous()
     sorted_ = alignment is not None
-    siblings = not sorted_ and norms.dim() == 2
+    per_channel = keep if keep is not None else norms  # [K], [J, K] or [E, K]
+    if per_channel is None or per_channel.shape[-1] != k:
+        raise ValueError(f"compensated_operand: norms or keep must end in K={k}, got "
+                         f"{None if per_channel is None else tuple(per_channel.shape)}")
+    siblings = not sorted_ and per_channel.dim() == 2
     if sorted_:
         rows, tiles, groups = alignment.pairs, alignment.expert_tiles, alignment.tile_expert
         sorted_rows, tile, n_tiles = alignment.sorted_rows, alignment.block_m, groups.numel()
-        n_groups, outputs = norms.shape[0], 1
+        n_groups, outputs = per_channel.shape[0], 1
     else:
         rows, tile = x.shape[0], DENSE_TILE
         n_tiles, n_groups = cdiv(rows, tile), 1
-        outputs = norms.shape[0] if siblings else 1
+        outputs = per_channel.shape[0] if siblings else 1
         sorted_rows = tiles = groups = amax  # not read
     if outputs * rows * k >= 1 << 31:
         raise ValueError(f"compensated_operand: {outputs} x [{rows}, {k}] outputs are past the "
@@ -202,14 +224,19 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int, norms: tor
     shape = q.shape if siblings else q.shape[1:]
     if rows == 0:
         return q.reshape(shape)
-    sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
+    static = keep is not None
+    if static:
+        keep = keep.contiguous().view(torch.uint8)  # bool as bytes: *u8 loads compile
+        sums = keep  # not written
+    else:
+        sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
     quantize_energy_kernel[(n_groups, col_programs)](
-        x, amax, sorted_rows, tiles, q, sums, rows, k, x.stride(0), row_div, n_tiles, outputs,
-        rows * k, TILE=tile, KB=kb, SORTED=sorted_, ROW_AMAX=spec.row_scaled,
-        FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, AMAX_HERE=here,
-        num_warps=4, **_launch_options(),
+        x, amax, sorted_rows, tiles, q, sums, keep if static else sums, rows, k, x.stride(0),
+        row_div, n_tiles, outputs, rows * k, n_groups, TILE=tile, KB=kb, SORTED=sorted_,
+        ROW_AMAX=spec.row_scaled, FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max,
+        AMAX_HERE=here, KEEP=static, num_warps=4, **_launch_options(),
     )
-    if count > 0:
+    if count > 0 and not static:
         block = triton.next_power_of_2(k)
         select_kernel[(n_tiles, outputs)](
             sums, norms.contiguous(), x, q, sorted_rows, groups, rows, k, x.stride(0), row_div,

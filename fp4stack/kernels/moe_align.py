@@ -113,7 +113,8 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
     expert receives (the reference's per-expert dynamic amax); a row-scaled x_spec quantizes
     each row of x once, with its own amax, which is the same for every expert it goes to.
     `compensation` (count, norms [E, K]): QUADS's x~ per pair, each expert's count channels of
-    highest residual energy over its rows put back to x (kernels.compensation)."""
+    highest residual energy over its rows put back to x (kernels.compensation); (count, bool
+    [E, K]): each expert's static channels put back."""
     if x_spec is None or x_spec.format == "none":
         return x.to(dtype), row_div
     if x_spec.format == "fp8":  # per row or 1x128 block: no expert's rows change another's
@@ -124,9 +125,11 @@ def _operand(x: torch.Tensor, row_div: int, groups: torch.Tensor, n_experts: int
         return q.to(dtype), row_div
     spec = replace(x_spec, nan_policy="propagate")
     if compensation is not None:  # Q(x) and the residual in x's dtype, as the loop
-        count, norms = compensation
+        count, per_channel = compensation
+        keep = per_channel if per_channel.dtype == torch.bool else None
         amax = None if spec.row_scaled else group_amax(x, row_div, groups, n_experts)
-        a = compensated_operand(x, spec, count, norms, amax=amax, alignment=al, row_div=row_div)
+        a = compensated_operand(x, spec, count, None if keep is not None else per_channel,
+                                amax=amax, alignment=al, row_div=row_div, keep=keep)
         return a.to(dtype), 1
     if x_spec.row_scaled:  # each token's own amax, whatever its expert: once per token
         return fake_quantize(x, spec, dtype=dtype), row_div

@@ -37,3 +37,11 @@ def top_indices(energy: torch.Tensor, k: int) -> torch.Tensor:
 def correction(residual: torch.Tensor, qweight: torch.Tensor, channels: torch.Tensor):
     """(x - Q(x))[:, C] Q(W)[:, C]ᵀ."""
     return residual[:, channels] @ qweight[:, channels].t()
+
+
+def channels_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [..., k], True at each row's channels (indices [..., n], distinct within a row): the
+    keep mask of static compensation. A comparison, no scatter (which deterministic mode refuses
+    on CUDA) and no host sync."""
+    cols = torch.arange(k, device=channels.device)
+    return (channels.long().unsqueeze(-1) == cols).any(-2)

@@ -17,9 +17,9 @@ split-K), as it may between any two GEMM shapes. Groups fuse when every member i
 or static activation amax, packed with one shared global amax (as conversion packs q/k/v and
 gate/up); otherwise they stay as they are.
 
-QUADS's dynamic residual compensation fuses too: each member picks its own channels (by its own
-weight's column norms), so the fused GEMM reads one x~ per member (`kernels.compensation` builds
-them from one Q(x) and one residual sum), each for its own rows of the weight.
+QUADS's residual compensation fuses too: each member has its own channels (picked by its own
+weight's column norms, or calibrated: static mode), so the fused GEMM reads one x~ per member
+(`kernels.compensation` builds them from one Q(x)), each for its own rows of the weight.
 """
 
 from __future__ import annotations
@@ -121,12 +121,12 @@ def _packed(members: tuple[nn.Module, ...]) -> bool:
 
 
 def _compensation_fuses(r, k: int) -> bool:
-    # Dynamic compensation through the operand kernels (static channels are each member's own).
+    # Compensation through the operand kernels: an x~ per member (its own channels).
     if r.compensation is None:
         return True
     from .. import kernels
 
-    if r.compensation.mode != "dynamic" or not kernels.available():
+    if not kernels.available():
         return False
     from ..kernels.compensation import operand_supported
 

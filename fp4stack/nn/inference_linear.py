@@ -53,16 +53,21 @@ def packed_inference_linear(x2: torch.Tensor, recipe: Recipe, weight: NVFP4Tenso
 
 def compensated_siblings_linear(x2: torch.Tensor, layers, weight: NVFP4Tensor,
                                 sizes: tuple[int, ...]) -> torch.Tensor:
-    """[x2 ~W_jᵀ for each sibling j] side by side: packed layers of one recipe with dynamic
-    residual compensation whose weights are the row slices `sizes` of `weight`; one Q(x2),
-    each member's channels by its own column norms, one GEMM (nn.fused_projections)."""
+    """[x2 ~W_jᵀ for each sibling j] side by side: packed layers of one recipe with residual
+    compensation whose weights are the row slices `sizes` of `weight`; one Q(x2), an x~ per
+    member (its own channels: by its column norms, or its calibrated static ones), one GEMM
+    (nn.fused_projections)."""
     from ..kernels.compensation import compensated_operand
     from .inference_ops import packed_linear
 
-    recipe = layers[0].recipe
-    norms = torch.stack([m.qweight_column_sq_norms(x2.dtype) for m in layers])
-    a = compensated_operand(x2, _propagating(recipe.x),
-                            recipe.compensation.count(x2.shape[-1]), norms)
+    recipe, k = layers[0].recipe, x2.shape[-1]
+    keep = norms = None
+    if recipe.compensation.mode == "static" and all(m.rc_channels is not None for m in layers):
+        keep = torch.stack([m.compensation_keep("rc_channels", k) for m in layers])
+    else:  # dynamic, or static before calibration
+        norms = torch.stack([m.qweight_column_sq_norms(x2.dtype) for m in layers])
+    a = compensated_operand(x2, _propagating(recipe.x), recipe.compensation.count(k), norms,
+                            keep=keep)
     return packed_linear(a.to(_compute_dtype(x2)), weight, None, sizes)
 
 
@@ -85,31 +90,20 @@ def quantized_inference_linear(x2: torch.Tensor, layer: nn.Module) -> torch.Tens
     if cfg is None:
         return packed_inference_linear(x2, recipe, layer.packed_weight, layer.bias, x_amax)
     # As _compensated: Q(x) and the residual in x's dtype, the GEMM in the compute dtype.
-    spec = _propagating(recipe.x)
-    channels = layer.rc_channels if cfg.mode == "static" else None
-    if channels is None:
-        from ..kernels.compensation import compensated_operand, operand_supported
+    from ..kernels.compensation import compensated_operand, operand_supported
 
-        if operand_supported(spec, x2.shape[-1]):  # Q(x), the energies and x~ in two launches
-            norms = layer.qweight_column_sq_norms(x2.dtype)
-            a = compensated_operand(x2, spec, cfg.count(x2.shape[-1]), norms, amax=x_amax)
-            return packed_linear(a.to(_compute_dtype(x2)), layer.packed_weight, layer.bias)
+    spec, k = _propagating(recipe.x), x2.shape[-1]
+    static = cfg.mode == "static" and layer.rc_channels is not None
+    keep = layer.compensation_keep("rc_channels", k) if static else None
+    if operand_supported(spec, k):  # x~ in one launch (static) or two (dynamic)
+        norms = None if static else layer.qweight_column_sq_norms(x2.dtype)
+        a = compensated_operand(x2, spec, cfg.count(k), norms, amax=x_amax, keep=keep)
+        return packed_linear(a.to(_compute_dtype(x2)), layer.packed_weight, layer.bias)
     qx = quantize_operand(x2, spec, x_amax)
-    if channels is None:
+    if keep is None:
         from ..kernels.top_mask import top_mask
 
         energy = energy_with_norms((x2 - qx).float(), layer.qweight_column_sq_norms(x2.dtype))
-        mask = top_mask(energy, cfg.count(x2.shape[-1]))
-    else:
-        mask = channel_mask(channels, x2.shape[-1])
-    return packed_linear(torch.where(mask, x2, qx).to(_compute_dtype(x2)), layer.packed_weight,
+        keep = top_mask(energy, cfg.count(k))
+    return packed_linear(torch.where(keep, x2, qx).to(_compute_dtype(x2)), layer.packed_weight,
                          layer.bias)
-
-
-def channel_mask(channels: torch.Tensor, k: int) -> torch.Tensor:
-    """bool [k], True at `channels` (distinct indices), by searchsorted: no scatter (which
-    deterministic mode refuses on CUDA) and no host sync."""
-    chosen = channels.long().sort().values
-    cols = torch.arange(k, device=channels.device)
-    pos = torch.searchsorted(chosen, cols).clamp(max=max(chosen.numel() - 1, 0))
-    return chosen[pos] == cols if chosen.numel() else torch.zeros_like(cols, dtype=torch.bool)

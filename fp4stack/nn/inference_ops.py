@@ -114,7 +114,8 @@ def _expert_weight(w, e: int, dtype: torch.dtype) -> Tensor:
 def _activations(x: Tensor, spec: QuantSpec | None, dtype: torch.dtype,
                  compensation: tuple[int, Tensor] | None = None) -> Tensor:
     # One expert's input rows as its GEMM operand: NVFP4 with those rows' own amax, or FP8;
-    # with compensation (count, that expert's column norms), x~ of nn.compensation.
+    # with compensation (count, that expert's column norms or static keep mask), x~ of
+    # nn.compensation.
     if spec is None or spec.format == "none":
         return x.to(dtype)
     spec = replace(spec, nan_policy="propagate")  # no host check, as the kernels
@@ -122,9 +123,11 @@ def _activations(x: Tensor, spec: QuantSpec | None, dtype: torch.dtype,
         return fake_quantize_fp8(x, spec.fp8_granularity, nan_policy="propagate").to(dtype)
     if compensation is None:
         return fake_quantize(x, spec=spec, dtype=dtype)
-    count, norms = compensation
+    count, per_channel = compensation
     q = fake_quantize(x, spec=spec)
-    energy = energy_with_norms((x - q).float(), norms)
+    if per_channel.dtype == torch.bool:  # static channels: that expert's keep mask
+        return torch.where(per_channel, x, q).to(dtype)
+    energy = energy_with_norms((x - q).float(), per_channel)
     channels = top_indices(energy, count)
     return q.index_copy(1, channels, x[:, channels]).to(dtype)
 

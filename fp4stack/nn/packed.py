@@ -147,3 +147,25 @@ class PackedState:
         """Bring the cached column norms up to date with the packed buffers."""
         for name, (key, _) in list(vars(self).get("_column_norms", {}).items()):
             self.packed_column_norms(name, key[0])
+
+    def compensation_keep(self, name: str, k: int) -> torch.Tensor:
+        """bool [k] (or [E, k]), True at the calibrated static compensation channels held in
+        the buffer `name` (`rc_channels`, or an expert stack's `rc_channels_<proj>` [E, n]).
+        Kept while that buffer is unchanged; when it changes, recomputed into the same tensor
+        (as the column norms), so a captured CUDA graph reads the new channels."""
+        from .compensation import channels_mask
+
+        channels = getattr(self, name)
+        try:
+            key = (channels.data_ptr(), channels._version, k)
+        except RuntimeError:  # an inference tensor keeps no version counter: no cache
+            return channels_mask(channels, k)
+        cache = vars(self).setdefault("_keep_masks", {})
+        cached = cache.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        keep = channels_mask(channels, k)
+        if cached is not None and cached[1].shape == keep.shape:
+            keep = cached[1].copy_(keep)
+        cache[name] = (key, keep)
+        return keep

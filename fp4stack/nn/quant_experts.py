@@ -4,7 +4,8 @@ Each expert's weight is quantized on its own (its own global amax, as inference 
 one global scale per expert; the fused gate/up weight of an expert shares one). Calibration
 (`fp4stack.convert.calibrate`) records each expert's activation amax per projection in `x_amax`
 [2, E] (row 0: the gate/up input, row 1: the down input), which a static-amax recipe uses and
-the compressed-tensors export writes as input scales. Two front ends
+the compressed-tensors export writes as input scales, and, for QUADS's static compensation, each
+expert's channels per projection (`rc_channels_gate_up` [E, k], `rc_channels_down`). Two front ends
 share the maths: fp4stack's `Experts` (its `expert_linear` hook) and the fused experts of
 transformers 5.x (Qwen3-MoE, OLMoE, Mixtral: forward(hidden_states, top_k_index, top_k_weights)).
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..api import dequantize, fake_quantize, quantize
 from ..formats.tensor import NVFP4Tensor
+from . import compensation as rc
 from .linear import quant_linear
 from .moe import Experts
 from .packed import PackedSlot, PackedState
@@ -34,6 +36,8 @@ class ExpertQuantization(PackedState):
     def _init_quantization(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.register_buffer("x_amax", None)  # calibrated [2, E]: gate_up, down inputs
+        for proj in _PROJS:  # calibrated static compensation channels [E, k] per projection
+            self.register_buffer(f"rc_channels_{proj}", None)
         self._calibration: dict | None = None
         if recipe.weight_storage == "packed":
             self.pack()
@@ -73,8 +77,9 @@ class ExpertQuantization(PackedState):
         packed and the recipe's activations are unquantized or NVFP4 1x16 round-to-nearest (each
         expert's rows with their own amax, as the loop); with QUADS's residual compensation,
         per projection its channel count and the experts' column norms read in `dtype` (the
-        activations'). None otherwise (master weights, FP8, stochastic rounding or 16x16
-        activations), which keeps the per-expert loop."""
+        activations'), or in static mode once calibrated their channels as bool masks. None
+        otherwise (master weights, FP8, stochastic rounding or 16x16 activations), which keeps
+        the per-expert loop."""
         if self._calibration is not None or self._static_x_amax():
             return None  # the loop records, or applies, each expert's own activation amax
         comp = self.recipe.compensation
@@ -94,9 +99,13 @@ class ExpertQuantization(PackedState):
             ks = [slots[proj].shape[-1] for proj in _PROJS]
             if spec is None or not all(operand_supported(spec, k) for k in ks):
                 return None
-            compensation = tuple((comp.count(k), self.packed_column_norms(proj, dtype or
-                                                                          torch.float32))
-                                 for proj, k in zip(_PROJS, ks, strict=True))
+            # Per projection (count, per-channel tensor): the experts' column norms [E, K]
+            # (channels picked per batch), or bool keep masks [E, K] (static mode, calibrated).
+            compensation = tuple(
+                (comp.count(k), self.compensation_keep(f"rc_channels_{proj}", k)
+                 if self._static_channels() else
+                 self.packed_column_norms(proj, dtype or torch.float32))
+                for proj, k in zip(_PROJS, ks, strict=True))
         return self.packed_stack("gate_up"), self.packed_stack("down"), spec, compensation
 
     def sorted_operands(self) -> tuple | None:
@@ -146,19 +155,40 @@ class ExpertQuantization(PackedState):
             seen = self._calibration["amax"]
             seen[row, e] = torch.maximum(seen[row, e], x.detach().abs().amax().float().cpu())
         x_amax = self.x_amax[row, e] if self._static_x_amax() else None
+        compensation = {}
+        if self.recipe.compensation is not None:
+            if self._calibration is not None:  # this expert's row of the energy sums
+                compensation["calibration"] = {"energy": self._calibration["energy"][proj][e]}
+            elif self._static_channels():
+                compensation["rc_channels"] = getattr(self, f"rc_channels_{proj}")[e]
         w = getattr(self, f"{proj}_proj")
         if w is None:
             packed = dequantize(self.read_packed(proj, e), x.dtype)
-            return quant_linear(x, None, None, self.recipe, packed=packed, x_amax=x_amax)
-        return quant_linear(x, w[e], None, self.recipe, x_amax=x_amax)
+            return quant_linear(x, None, None, self.recipe, packed=packed, x_amax=x_amax,
+                                **compensation)
+        return quant_linear(x, w[e], None, self.recipe, x_amax=x_amax, **compensation)
 
     def _static_x_amax(self) -> bool:
         return self.recipe.activation_amax == "static" and self.x_amax is not None
 
+    def _static_channels(self) -> bool:
+        comp = self.recipe.compensation
+        return (comp is not None and comp.mode == "static"
+                and self.rc_channels_gate_up is not None)
+
+    def _input_features(self, proj: str) -> int:
+        w = getattr(self, f"{proj}_proj", None)
+        return w.shape[-1] if w is not None else self.packed_slots()[proj].shape[-1]
+
     # ---- calibration ---------------------------------------------------------------------
     def start_calibration(self) -> None:
-        """Record each expert's activation amax, per projection, over the following forwards."""
-        self._calibration = {"amax": torch.zeros(2, self.expert_count())}
+        """Record each expert's activation amax, per projection, over the following forwards
+        (and, with residual compensation, each expert's residual energy per input channel)."""
+        e = self.expert_count()
+        self._calibration = {"amax": torch.zeros(2, e)}
+        if self.recipe.compensation is not None:
+            self._calibration["energy"] = {proj: torch.zeros(e, self._input_features(proj))
+                                           for proj in _PROJS}
 
     def finish_calibration(self) -> None:
         """Fix `x_amax`. An expert no calibration token reached takes the largest amax of its
@@ -171,6 +201,14 @@ class ExpertQuantization(PackedState):
         w = getattr(self, "gate_up_proj", None)
         dev = w.device if w is not None else self.read_packed("gate_up", 0).data.device
         self.x_amax = amax.to(dev)
+        comp = self.recipe.compensation
+        for proj, energy in self._calibration.get("energy", {}).items():
+            # Static mode's channels: each expert's top k by its own residual energy; an expert
+            # no token reached takes those of the projection's energy over all experts.
+            whole = energy.sum(0)
+            k = comp.count(energy.shape[1])
+            chosen = [rc.top_indices(row if row.any() else whole, k) for row in energy]
+            setattr(self, f"rc_channels_{proj}", torch.stack(chosen).to(dev))
         self._calibration = None
 
 

@@ -1,14 +1,16 @@
 """`fp4stack rl-compare`: rollout precisions side by side from the same SFT start.
 
-A run is named `ROLLOUT[@FRACTION][/TRAINER][+tis]`: the rollout precision (rollout.PRECISIONS:
-bf16, fp8, nvfp4, quads, w4a16, nvfp4-token, quads-token), for quads the fraction of channels
-compensated (default the config's), the trainer (default qat-w, weights quantized as the
-rollout's, where the rollout quantizes weights with compensation or alone: quads, quads-token,
-w4a16; else bf16) and token-level truncated importance sampling. So bf16, fp8, nvfp4,
-nvfp4+tis, quads, quads@0.5, w4a16 and nvfp4-token/qat-w are all runs. With several seeds each
-run repeats per seed from that seed's own SFT start (out/sft, out/sft-seed<N>). Writes
-DIR/rl_compare.md (pass@1 at the start and at the end, final reward, k3, mean and max |dlogp|),
-rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step).
+A run is named `ROLLOUT[@FRACTION][:static][/TRAINER][+tis]`: the rollout precision
+(rollout.PRECISIONS: bf16, fp8, nvfp4, quads, w4a16, nvfp4-token, quads-token), for quads the
+fraction of channels compensated (default the config's) and `:static` for channels calibrated
+once (config compensation_mode; `:dynamic` picks them per batch), the trainer (default qat-w,
+weights quantized as the rollout's, where the rollout quantizes weights with compensation or
+alone: quads, quads-token, w4a16; else bf16) and token-level truncated importance sampling. So
+bf16, fp8, nvfp4, nvfp4+tis, quads, quads@0.5, quads@0.5:static, w4a16 and nvfp4-token/qat-w
+are all runs. With several seeds each run repeats per seed from that seed's own SFT start
+(out/sft, out/sft-seed<N>). Writes DIR/rl_compare.md (pass@1 at the start and at the end,
+final reward, k3, mean and max |dlogp|), rl_compare.json and rl_compare.png (k3, max |dlogp|
+and reward / pass@1 per step).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from .config import RLConfig
 from .trainer import run_rl, warm_up_policy
 
 DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
-_RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(/(?P<trainer>[a-z0-9-]+))?"
-                  r"(?P<tis>\+tis)?")
+_RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(:(?P<mode>static|dynamic))?"
+                  r"(/(?P<trainer>[a-z0-9-]+))?(?P<tis>\+tis)?")
 _QAT_ROLLOUTS = ("quads", "quads-token", "w4a16")  # weight-quantizing rollouts: qat-w trainer
 
 
@@ -42,8 +44,8 @@ def parse_run(name: str) -> dict[str, Any]:
 
     m = _RUN.fullmatch(name)
     if m is None:
-        raise ValueError(f"run {name!r} is not ROLLOUT[@FRACTION][/TRAINER][+tis], e.g. quads@0.5 "
-                         "or nvfp4/qat-w+tis")
+        raise ValueError(f"run {name!r} is not ROLLOUT[@FRACTION][:static][/TRAINER][+tis], e.g. "
+                         "quads@0.5, quads@0.5:static or nvfp4/qat-w+tis")
     rollout = m["rollout"]
     if rollout not in PRECISIONS:
         raise ValueError(f"run {name!r}: rollout {rollout!r} is not one of {list(PRECISIONS)}")
@@ -60,6 +62,11 @@ def parse_run(name: str) -> dict[str, Any]:
         if not 0 < fraction <= 1:
             raise ValueError(f"run {name!r}: the fraction must be in (0, 1], got {fraction}")
         overrides["compensation"] = fraction
+    if m["mode"] is not None:
+        if not rollout.startswith("quads"):
+            raise ValueError(f"run {name!r}: :{m['mode']} is the compensation mode of a quads "
+                             "rollout")
+        overrides["compensation_mode"] = m["mode"]
     return overrides
 
 

@@ -37,6 +37,11 @@ class RLConfig:
     sft_batch_size: int = 64
     rollout: str = "quads"  # a rollout.PRECISIONS key: bf16, fp8, nvfp4, quads, w4a16, ...
     compensation: float = 0.05  # quads: fraction of input channels compensated
+    # quads: "dynamic" picks each layer's channels per batch by residual energy; "static" fixes
+    # them once, before the first rollout, from calibration_size task examples (prompt and
+    # reference completion) the run never trains on, as the paper's fixed top-k%.
+    compensation_mode: str = "dynamic"
+    calibration_size: int = 64
     logprobs: str = "score"  # the engine's log-probs: "score" (one forward) or "sample"
     # engine: "fast" (static KV cache, CUDA-graph decoding, device sampling; fp4stack GPT
     # policies only: kind gpt or as_gpt), "reference" (RolloutEngine, eager) or "auto": fast on
@@ -88,7 +93,8 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         choices = {"rollout": tuple(PRECISIONS), "trainer": TRAINERS, "correction": CORRECTIONS,
-                   "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample"), "engine": ENGINES}
+                   "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample"), "engine": ENGINES,
+                   "compensation_mode": ("dynamic", "static")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got "
@@ -103,7 +109,7 @@ class RLConfig:
                               ("prompts_per_step", 1), ("group_size", 2),
                               ("micro_batch_size", 1), ("max_new_tokens", 1),
                               ("eval_every", 0), ("eval_size", 1), ("eval_pass_k", 0),
-                              ("activation_error_every", 0),
+                              ("activation_error_every", 0), ("calibration_size", 1),
                               ("seed", 0)):
             check_int(name, getattr(self, name), minimum)
         for name in ("sft_lr", "lr", "weight_decay", "grad_clip", "clip_low", "clip_high",

@@ -5,6 +5,7 @@ the fast engine decodes); optionally upcycled from dense to MoE; and the SFT war
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -126,3 +127,23 @@ def sft_warmup(model: nn.Module, tokenizer: lm.TokenizerLike, task: Task, *, ste
             log(f"sft step {i + 1}/{steps} | loss {loss.item():.4f}")
     model.eval()
     return losses
+
+
+def calibration_sequences(task: Task, tokenizer: lm.TokenizerLike, n: int, seed: int
+                          ) -> list[list[int]]:
+    """n task examples, prompt and reference completion as one token list each, from a seed
+    range neither the SFT warm-up nor the RL prompts use: what static compensation channels
+    are calibrated on."""
+    stream = task.train_examples(seed + 20_000)
+    return [p + c for p, c in (encode_example(tokenizer, e.prompt, task.completion(e))
+                               for e in (next(stream) for _ in range(n)))]
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A short SHA-256 of every tensor of the state dict (names, dtypes, shapes and bytes):
+    runs that print the same digest start from bit-identical weights."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

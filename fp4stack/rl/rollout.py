@@ -143,8 +143,8 @@ class RolloutEngine:
     def __init__(self, model: nn.Module, tokenizer: lm.TokenizerLike, precision: str = "quads", *,
                  temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 32,
                  logprobs: str = "score", compensation: float | int | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
-                 ) -> None:
+                 compensation_mode: str | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
         if logprobs not in ("score", "sample"):
@@ -166,10 +166,11 @@ class RolloutEngine:
         self.amax_groups: list[list[str]] = []
         if PRECISIONS[precision] is not None:
             self.recipe = get_recipe(PRECISIONS[precision])
-            if compensation is not None and self.recipe.compensation is not None:
-                comp = self.recipe.compensation
-                self.recipe = self.recipe.with_(compensation=type(comp)(k=compensation,
-                                                                        mode=comp.mode))
+            comp = self.recipe.compensation
+            if comp is not None and (compensation is not None or compensation_mode is not None):
+                self.recipe = self.recipe.with_(compensation=type(comp)(
+                    k=comp.k if compensation is None else compensation,
+                    mode=compensation_mode or comp.mode))
             summary = quantize_model(self.model, self.recipe)
             self.amax_groups = summary.shared_amax
         self.syncs = 0
@@ -177,6 +178,25 @@ class RolloutEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @on_own_device
+    @torch.no_grad()
+    def calibrate(self, sequences: list[list[int]]) -> int:
+        """Fix the static compensation channels of the engine's quantized layers (and static
+        activation amaxes, for recipes that have them) from one forward over `sequences`
+        (token lists, e.g. prompts with reference completions): `convert.calibrate`. A fast
+        engine recaptures its graphs after it. Returns the number of sequences seen."""
+        from ..convert import calibrate
+
+        if self.recipe is None:
+            raise ValueError(f"calibrate: a {self.precision} engine has nothing to calibrate")
+        if not sequences or any(len(s) == 0 for s in sequences):
+            raise ValueError("calibrate needs a non-empty list of non-empty token lists")
+        # One sequence a forward: no padding rows among the activations the channels are
+        # chosen from.
+        batches = [torch.tensor([s], device=self.device) for s in sequences]
+        return calibrate(self.model, batches, forward=lambda m, t: lm.forward_logits(
+            m, t, torch.ones_like(t, dtype=torch.bool)))
 
     @on_own_device
     def sync(self, trainer: nn.Module) -> int:

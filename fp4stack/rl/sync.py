@@ -112,9 +112,11 @@ def export_weights(trainer: nn.Module, engine: nn.Module,
             update.tensors.update(state)
             sums.update(slot_sums)
             packed.update(state)
-    engine_only = {"x_amax", "rc_channels"}  # calibrated by the engine itself
+    # Calibrated by the engine itself: activation amaxes, compensation channels (an expert
+    # stack's rc_channels_<proj> too).
+    engine_only = ("x_amax", "rc_channels")
     for name, current in engine.state_dict().items():
-        if name in packed or name.rpartition(".")[2] in engine_only:
+        if name in packed or name.rpartition(".")[2].startswith(engine_only):
             continue
         t = _trainer_weight(trainer, name).to(current.dtype)  # e.g. a BF16 engine
         update.tensors[name] = t

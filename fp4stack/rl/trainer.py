@@ -31,7 +31,13 @@ from .config import RLConfig
 from .fast_rollout import FastRolloutEngine, build_engine
 from .grpo_loss import group_advantages, grpo_loss, rollout_correction
 from .metrics import MismatchAlarm, activation_errors, mismatch_metrics
-from .policies import build_policy, encode_example, sft_warmup
+from .policies import (
+    build_policy,
+    calibration_sequences,
+    encode_example,
+    sft_warmup,
+    weights_digest,
+)
 from .rollout import Rollout, RolloutEngine
 from .schedule import RolloutSource
 
@@ -199,7 +205,9 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     engine = build_engine(cfg.engine, base, tokenizer, cfg.rollout, record=cfg.routing_replay,
                           temperature=cfg.temperature, top_p=cfg.top_p,
                           max_new_tokens=cfg.max_new_tokens, logprobs=cfg.logprobs,
-                          compensation=cfg.compensation, dtype=dtype, device=engine_device)
+                          compensation=cfg.compensation,
+                          compensation_mode=cfg.compensation_mode, dtype=dtype,
+                          device=engine_device)
     ref = None
     if cfg.kl_coef > 0:
         import copy
@@ -225,6 +233,13 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "
         f"samples, {cfg.steps} steps, out {out}")
     engine.sync(model)
+    start_digest = weights_digest(model)
+    log(f"rl: start weights {start_digest}")
+    if (cfg.compensation_mode == "static" and engine.recipe is not None
+            and engine.recipe.compensation is not None):
+        n = engine.calibrate(calibration_sequences(task, tokenizer, cfg.calibration_size,
+                                                   cfg.seed))
+        log(f"rl: compensation channels fixed from {n} task examples (static mode)")
     history = []
     pass1 = start_pass1 = evaluate(engine, task, test) if cfg.eval_every else None
     if pass1 is not None:
@@ -285,7 +300,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         logger.close()
     k3 = [r["k3"] for r in history]
     result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "correction": cfg.correction,
-              "compensation": cfg.compensation, "seed": cfg.seed,
+              "compensation": cfg.compensation, "compensation_mode": cfg.compensation_mode,
+              "seed": cfg.seed, "start_weights": start_digest,
               "engine_device": str(engine_device), "off_policy": cfg.off_policy,
               "steps": len(history), "final_reward": history[-1]["reward"],
               "start_pass_at_1": start_pass1,

@@ -391,6 +391,20 @@ def test_lowrank_forwards_are_saved_and_restored_through_the_state_dict():
     assert int(layer.lowrank_forwards) == 5
 
 
+def test_the_counter_is_host_state_that_the_state_dict_carries():
+    # On the CPU whatever the layer's device, so that deciding a refresh (also inside a
+    # compiled graph) never waits for the GPU; not a buffer, so DDP does not broadcast it.
+    layer = refreshed_layer().train()
+    assert "lowrank_forwards" not in dict(layer.named_buffers())
+    layer.to(torch.bfloat16)
+    if torch.cuda.is_available():
+        layer.cuda()
+    count = layer.lowrank_forwards
+    assert count.device.type == "cpu" and count.dtype == torch.int64
+    layer(data()[0].to(layer.weight))
+    assert int(layer.state_dict()["lowrank_forwards"]) == 1 and layer.lowrank_forwards is count
+
+
 def test_a_state_dict_without_the_counter_loads_and_counts_from_zero():
     layer, x = refreshed_layer().train(), data()[0]
     layer(x)

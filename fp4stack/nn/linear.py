@@ -129,7 +129,7 @@ class QuantLinear(PackedState, nn.Module):
     weight_scales, weight_global_amax; see `PackedState`) and dequantized on the fly (the
     rollout's view); `pack()` converts. `weight_amax` imposes a global amax shared with sibling
     layers (fused q/k/v, gate/up). A low-rank branch refreshed every n training forwards counts
-    them in the buffer `lowrank_forwards`, saved with the weights.
+    them in `lowrank_forwards`, saved with the weights (a CPU tensor, see `_setup`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -161,8 +161,6 @@ class QuantLinear(PackedState, nn.Module):
         self.register_buffer("x_amax", None)  # calibrated static activation amax
         self.register_buffer("rc_channels", None)  # calibrated compensation channels
         self._calibration: dict | None = None
-        # Host copy of lowrank_forwards: (the buffer's version when written, count); None: read
-        self._forwards: tuple[int, int] | None = None
         if recipe.lowrank is not None:
             a, b = fit_factors(weight, recipe.w, recipe.lowrank.rank, recipe.lowrank.fit)
             if recipe.lowrank.trainable:
@@ -171,8 +169,10 @@ class QuantLinear(PackedState, nn.Module):
                 self.register_buffer("lowrank_a", a)
                 self.register_buffer("lowrank_b", b)
             if _refreshes(recipe):
-                self.register_buffer("lowrank_forwards",
-                                     torch.zeros((), dtype=torch.int64, device=weight.device))
+                # A CPU tensor and not a buffer: deciding a refresh reads it on the host with no
+                # device sync (also inside a compiled graph, where the op below reads it), and
+                # it stays out of .to() and of DDP's buffer broadcasts. The state dict holds it.
+                self.lowrank_forwards = torch.zeros((), dtype=torch.int64)
 
     # ---- weights -------------------------------------------------------------------------
     def shared_weight_amax(self) -> torch.Tensor | None:
@@ -306,32 +306,29 @@ class QuantLinear(PackedState, nn.Module):
                               self.weight.detach(), every, spec_key(self.recipe.w),
                               self.recipe.lowrank.fit)
             return
-        # Counted on the host, so that deciding a refresh costs no device sync; the buffer gets
-        # each new count (no sync either) and is read back only when something else wrote it.
-        n = self._lowrank_count() + 1
+        n = int(self.lowrank_forwards) + 1  # on the CPU: no device sync
         self.lowrank_forwards.fill_(n)
-        self._forwards = (self.lowrank_forwards._version, n)
         if n % every == 0:
             self.refresh_lowrank()
 
-    def _lowrank_count(self) -> int:
-        # The host copy holds while the buffer's version is the one its last write left: a
-        # load, or a compiled forward counting in the buffer, changes it.
-        cached = self._forwards
-        if cached is None or cached[0] != self.lowrank_forwards._version:
-            return int(self.lowrank_forwards)
-        return cached[1]
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        count = vars(self).get("lowrank_forwards")
+        if count is not None:
+            destination[prefix + "lowrank_forwards"] = count if keep_vars else count.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         key = prefix + "lowrank_forwards"
-        if key in missing_keys:
-            # State saved before the counter was module state: not an error; the layer keeps
-            # its own count (0 in a fresh one).
-            missing_keys.remove(key)
-        self._forwards = None
+        count = vars(self).get("lowrank_forwards")
+        if count is not None and key in state_dict:
+            count.copy_(state_dict[key])
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+        # A state saved before the counter was module state has none: not an error; the layer
+        # keeps its own count (0 in a fresh one).
 
     # ---- calibration ---------------------------------------------------------------------
     def start_calibration(self) -> None:

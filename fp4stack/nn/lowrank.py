@@ -39,8 +39,8 @@ def count_and_refresh(count: torch.Tensor, factor_a: torch.Tensor, factor_b: tor
     `spec_key`, or from W for fit="weight").
 
     A custom op so that torch.compile keeps the decision inside the graph, as one node: the
-    count is read inside the op (on CUDA a host sync per low-rank layer and forward, the
-    price of deciding in the graph; eager forwards count on the host instead)."""
+    count is read inside the op. QuantLinear keeps it on the CPU, so that read never waits for
+    the device."""
     n = int(count) + 1
     count.fill_(n)
     if n % every == 0:

@@ -122,6 +122,31 @@ def test_compiled_gpt_step_gives_eager_bits(name):
     assert_same_bits(step_bits(make, None), step_bits(make, "aot_eager"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a model on a GPU")
+def test_compiled_lowrank_on_a_gpu_counts_on_the_host():
+    # The refresh counter stays on the CPU beside a CUDA model, and the compiled step's op
+    # reads and bumps it there: aot_eager gives eager's bits, Inductor refits at the same step.
+    def make():
+        loss_fn, model = gpt_step("lowrank-nvidia")()
+        model.cuda()
+        return (lambda x: loss_fn(x.cuda())), model
+
+    assert_same_bits(step_bits(make, None), step_bits(make, "aot_eager"))
+    _, model = make()
+    layer = next(m for m in model.modules() if hasattr(m, "lowrank_forwards"))
+    first = layer.lowrank_a.clone()
+    loss_fn = torch.compile(lambda x: model(x.cuda(), x.cuda())[1], fullgraph=True)
+    for n in (1, 2):
+        loss_fn(tokens()).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        assert layer.lowrank_forwards.device.type == "cpu" and int(layer.lowrank_forwards) == n
+        assert torch.equal(layer.lowrank_a, first) == (n == 1)  # refitted at forward 2
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4-nvidia"])
 def test_compiled_moe_step_gives_eager_bits(name):
     make = gpt_step(name, moe=True)

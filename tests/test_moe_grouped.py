@@ -123,6 +123,20 @@ def test_grouped_matches_the_loop(fused_on_cpu, kind, dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@torch.no_grad()
+def assert_grouped_compensation(mod, x, w, idx, got, monkeypatch) -> None:
+    """The grouped path's result `got` against its reference: the loop in float32 (equal up to
+    the rounding of the loop's second GEMM), in bfloat16 the torch form of the grouped path
+    (inference_ops without kernels: x~ of each expert times Q(W_e)), exactly."""
+    if x.dtype == torch.float32:
+        want, tol = mod.loop_forward(x, w, idx), 2e-6
+    else:
+        with monkeypatch.context() as m:
+            m.setattr(inference_ops, "kernels_run", lambda _: False)
+            want, tol = mod(x, w, idx), 0.0
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 @pytest.mark.parametrize("kind", ["w4a4-rc", "w4a4-rc-token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_compensation_matches_the_loop(fused_on_cpu, monkeypatch, kind, dtype):
@@ -140,14 +154,7 @@ def test_grouped_compensation_matches_the_loop(fused_on_cpu, monkeypatch, kind, 
         x = (torch.randn(t, D) * torch.logspace(-2, 1, D)).to(DEVICE, dtype)
         with torch.no_grad():
             got, uncompensated = mod(x, w, idx), plain(x, w, idx)
-            if dtype == torch.float32:
-                want = mod.loop_forward(x, w, idx)
-            else:
-                with monkeypatch.context() as m:
-                    m.setattr(inference_ops, "kernels_run", lambda _: False)
-                    want = mod(x, w, idx)
-        tol = 2e-6 if dtype == torch.float32 else 0.0
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+        assert_grouped_compensation(mod, x, w, idx, got, monkeypatch)
         assert not torch.equal(got, uncompensated)  # the experts' activations are corrected
 
 
@@ -176,17 +183,10 @@ def test_static_channels_calibrated_per_expert_grouped_as_the_loop(fused_on_cpu,
     x = (torch.randn(24, D) * scale).to(DEVICE, dtype)
     with torch.no_grad():
         got = mod(x, w, idx)
-        if dtype == torch.float32:
-            want = mod.loop_forward(x, w, idx)
-        else:
-            with monkeypatch.context() as m:
-                m.setattr(inference_ops, "kernels_run", lambda _: False)
-                want = mod(x, w, idx)
         dynamic = QuantExperts.from_experts(Experts(D, H, E).to(DEVICE, dtype), r)
         dynamic.load_state_dict(mod.state_dict(), strict=False)
         other = dynamic(x, w, idx)
-    tol = 2e-6 if dtype == torch.float32 else 0.0
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert_grouped_compensation(mod, x, w, idx, got, monkeypatch)
     assert not torch.equal(got, other)  # calibrated channels, not this batch's
 
 

@@ -133,15 +133,7 @@ class PackedState:
             key = (dtype, *((t.data_ptr(), t._version) for t in parts))
         except RuntimeError:  # inference tensors keep no version counter: no cache
             return column_sq_norms(w, dtype)
-        cache = vars(self).setdefault("_column_norms", {})
-        cached = cache.get(name)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        norms = column_sq_norms(w, dtype)
-        if cached is not None and cached[0][0] == dtype:
-            norms = cached[1].copy_(norms)
-        cache[name] = (key, norms)
-        return norms
+        return self._kept("_column_norms", name, key, lambda: column_sq_norms(w, dtype))
 
     def refresh_column_norms(self) -> None:
         """Bring the cached column norms up to date with the packed buffers."""
@@ -157,15 +149,22 @@ class PackedState:
 
         channels = getattr(self, name)
         try:
-            key = (channels.data_ptr(), channels._version, k)
+            key = (k, channels.data_ptr(), channels._version)
         except RuntimeError:  # an inference tensor keeps no version counter: no cache
             return channels_mask(channels, k)
-        cache = vars(self).setdefault("_keep_masks", {})
-        cached = cache.get(name)
+        return self._kept("_keep_masks", name, key, lambda: channels_mask(channels, k))
+
+    def _kept(self, cache: str, name: str, key: tuple, compute) -> torch.Tensor:
+        # compute()'s tensor, kept while `key` (key[0]: what it is for, a dtype or a width;
+        # then what it was computed from) is unchanged. When only the sources changed, it is
+        # recomputed into the same tensor, so that a captured CUDA graph reading it sees the
+        # new values; one for another purpose is a new tensor.
+        store = vars(self).setdefault(cache, {})
+        cached = store.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        keep = channels_mask(channels, k)
-        if cached is not None and cached[1].shape == keep.shape:
-            keep = cached[1].copy_(keep)
-        cache[name] = (key, keep)
-        return keep
+        value = compute()
+        if cached is not None and cached[0][0] == key[0]:
+            value = cached[1].copy_(value)
+        store[name] = (key, value)
+        return value

@@ -162,7 +162,8 @@ def test_rl_writes_every_metric_each_step(tmp_path):
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     keys = {"step", "reward", "k1", "k3", "logp_diff_mean", "logp_diff_max", "prob_diff_max",
-            "chi2_token", "chi2_seq", "ess", "entropy", "response_len"}
+            "chi2_token", "chi2_seq", "ess", "entropy", "response_len", "generate_s", "train_s",
+            "sync_s", "step_s"}
     assert all(keys <= set(r) for r in steps)
     assert "pass_at_1" in steps[-1] and "pass_at_1" in records[0]
     assert 0 <= steps[-1]["pass_at_1"] <= 1 and 0 <= steps[-1]["pass_at_4"] <= 1

@@ -260,8 +260,10 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
             rewards = torch.tensor([task.score(t, e) for t, e in zip(texts, group, strict=True)],
                                    device=device)
             adv = group_advantages(rewards, cfg.group_size)
+            t_train = time.perf_counter()
             lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref)
-            mism = mismatch_metrics(lp, rollout.logprobs, rollout.response_mask)
+            mism = mismatch_metrics(lp, rollout.logprobs, rollout.response_mask)  # syncs
+            t_sync = time.perf_counter()
             checked = source.sync(model)
             resp = rollout.response_mask
             record = {"step": step, "reward": rewards.mean().item(), **mism,
@@ -270,7 +272,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                       **{k: stats[k] for k in ("loss", "clip_frac", "grad_norm", "skipped")
                          if k in stats},
                       "synced_tensors": checked, "generate_s": batch.generate_s,
-                      "rollout_wait_s": batch.wait_s, "step_s": time.perf_counter() - t0}
+                      "rollout_wait_s": batch.wait_s, "train_s": t_sync - t_train,
+                      "sync_s": time.perf_counter() - t_sync, "step_s": time.perf_counter() - t0}
             step_s = record["step_s"]
             if cfg.activation_error_every and (step % cfg.activation_error_every == 0 or last):
                 record.update(_activation_error(model, rollout, cfg, step, out))

@@ -306,6 +306,19 @@ def test_rl_compare_run_names_parse_into_the_arms():
             parse_run(bad)
 
 
+def test_a_bfloat16_trainer_computes_under_autocast(tmp_path):
+    # A float32 engine on the CPU and a float32 trainer agree bit for bit (k3 = 0); the
+    # bfloat16 trainer's forward differs from the engine's by bf16 rounding.
+    runs = {dtype: run_rl(tiny_config(tmp_path / dtype, rollout="bf16", trainer="bf16",
+                                      trainer_dtype=dtype, steps=1, eval_every=0, sft_steps=3),
+                          log=lambda *a: None)
+            for dtype in ("float32", "bfloat16")}
+    assert runs["float32"]["k3_mean"] == 0.0 and runs["bfloat16"]["k3_mean"] > 0.0
+    assert runs["bfloat16"]["trainer_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="trainer_dtype must be one of"):
+        tiny_config(tmp_path, trainer_dtype="fp16")
+
+
 def test_static_compensation_is_calibrated_once_before_the_first_rollout(tmp_path):
     lines = []
     result = run_rl(tiny_config(tmp_path, compensation_mode="static", compensation=0.25,

@@ -53,6 +53,9 @@ class RLConfig:
     engine_device: str = "same"
     off_policy: int = 0
     trainer: str = "qat-w"  # bf16 or qat-w
+    # The trainer's compute: "float32", or "bfloat16" (autocast, as mixed-precision trainers
+    # such as Megatron's run; weights and optimizer states stay float32 either way).
+    trainer_dtype: str = "float32"
     correction: str = "none"  # rollout correction: none, token-tis, token-mis, seq-tis, seq-mis
     correction_cap: float = 2.0
     routing_replay: bool = False
@@ -94,7 +97,8 @@ class RLConfig:
     def __post_init__(self) -> None:
         choices = {"rollout": tuple(PRECISIONS), "trainer": TRAINERS, "correction": CORRECTIONS,
                    "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample"), "engine": ENGINES,
-                   "compensation_mode": ("dynamic", "static")}
+                   "compensation_mode": ("dynamic", "static"),
+                   "trainer_dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got "

@@ -125,6 +125,15 @@ def _slice_routing(routing: dict | None, rows: slice) -> dict | None:
     return None if routing is None else {k: v[rows] for k, v in routing.items()}
 
 
+def trainer_autocast(cfg: RLConfig, device: torch.device):
+    """The trainer's compute precision: bfloat16 autocast for trainer_dtype "bfloat16" (fp32
+    master weights and optimizer either way; the log-probs and the loss in float32), else
+    nothing."""
+    if cfg.trainer_dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
                advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None
                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -139,7 +148,8 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
         tokens, mask = rollout.tokens[rows], rollout.mask[rows]
         resp = rollout.response_mask[rows]
         routing = _slice_routing(rollout.routing if cfg.routing_replay else None, rows)
-        with replay_routing(model, routing) if routing else nullcontext():
+        with (replay_routing(model, routing) if routing else nullcontext(),
+              trainer_autocast(cfg, tokens.device)):
             logp, entropy = lm.token_logprobs(model, tokens, mask, cfg.temperature or 1.0,
                                               entropy=True)
         old = logp.detach()
@@ -147,7 +157,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
                                      cfg.correction_cap)
         logp_ref = None
         if ref is not None:
-            with torch.no_grad():
+            with torch.no_grad(), trainer_autocast(cfg, tokens.device):
                 logp_ref = lm.token_logprobs(ref, tokens, mask, cfg.temperature or 1.0)
         loss, stats = grpo_loss(logp, old, advantages[rows], resp, clip_low=cfg.clip_low,
                                 clip_high=cfg.clip_high, weights=weights, logp_ref=logp_ref,
@@ -302,7 +312,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         source.close()
         logger.close()
     k3 = [r["k3"] for r in history]
-    result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "correction": cfg.correction,
+    result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "trainer_dtype": cfg.trainer_dtype,
+              "correction": cfg.correction,
               "compensation": cfg.compensation, "compensation_mode": cfg.compensation_mode,
               "seed": cfg.seed, "start_weights": start_digest,
               "engine_device": str(engine_device), "off_policy": cfg.off_policy,

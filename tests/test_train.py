@@ -656,6 +656,27 @@ def test_adamw4_transform_reaches_the_adamw4_states(data, tmp_path, optimizer):
         == "rank1"
 
 
+def test_a_recipe_names_its_adamw4_transform_and_a_config_overrides_it(data, tmp_path):
+    # fullstack-paper stores AdamW4's v as the paper does; a comparison can then run it beside
+    # recipes that keep AdamW4's default, from one config.
+    def transform(**fields):
+        cfg = config(data, tmp_path, **fields)
+        opt = build_from_config(GPT(cfg.model_config(VOCAB)), cfg)
+        return (opt if isinstance(opt, AdamW4) else opt.adamw).state_format.transform
+
+    assert get_recipe("fullstack-paper").adamw4_transform == "sqrt-center-hadamard"
+    assert transform(recipe="fullstack-paper", optimizer="root4") == "sqrt-center-hadamard"
+    assert transform(recipe="fullstack", optimizer="adamw4") == "rank1"
+    assert transform(recipe="fullstack-paper", optimizer="adamw4",
+                     adamw4_transform="sqrt") == "sqrt"
+    with pytest.raises(ValueError, match="optimizer_states='nvfp4' too"):
+        get_recipe("nvfp4").with_(adamw4_transform="sqrt")
+    with pytest.raises(ValueError, match="adamw4_transform 'cube' is unknown"):
+        config(data, tmp_path, recipe={"preset": "fullstack", "name": "fullstack-cube",
+                                       "adamw4_transform": "cube"},
+               optimizer="adamw4")
+
+
 def test_bad_adamw4_transform_is_refused(data, tmp_path):
     with pytest.raises(ValueError, match=r"adamw4_transform 'hadamard' is unknown; choose one "
                                          r"of \[.*'sqrt-center-hadamard'"):

@@ -72,10 +72,11 @@ def _presets() -> dict[str, Recipe]:
         "lowrank-svd": nvfp4.with_(name="lowrank-svd", lowrank=split),
         "lowrank-svd-4over6": nvfp4_46.with_(name="lowrank-svd-4over6", lowrank=split),
         # Full-Stack FP4 as the paper describes it: 4/6 linears split by SVD, NVFP4 optimizer
-        # states, attention with the QKᵀ and dS GEMMs in NVFP4 and Q̂, K̂ reused. The run's
-        # config names the optimizer (root4) and AdamW4's transform (sqrt-center-hadamard).
+        # states with AdamW4's v stored as sqrt, centred, Hadamard-transformed, attention with
+        # the QKᵀ and dS GEMMs in NVFP4 and Q̂, K̂ reused. The run names the optimizer (root4).
         "fullstack-paper": nvfp4_46.with_(name="fullstack-paper", lowrank=split,
                                           optimizer_states="nvfp4",
+                                          adamw4_transform="sqrt-center-hadamard",
                                           attention=AttentionQuant.qk_ds()),
         # The best full stack: fullstack on NVIDIA's linear quantizers (every block, every GEMM
         # NVFP4), its attention's backward re-quantizing Q, K, V instead of reusing the forward's.

@@ -31,7 +31,7 @@ from .attention_quant import NVFP4_RNE, AttentionQuant
 from .recipe_types import LINEAR_OPERANDS, LowRank, Recipe, ResidualCompensation
 
 _SCALARS = ("weight_storage", "activation_amax", "keep_first_blocks", "keep_last_blocks",
-            "optimizer_states")
+            "optimizer_states", "adamw4_transform")
 _PARTS = {"lowrank": LowRank, "compensation": ResidualCompensation, "attention": AttentionQuant}
 _ATTENTION_SPECS = ("q", "k", "v", "p", "ds", "dp")
 KEYS = ("preset", "name", *LINEAR_OPERANDS, *_SCALARS, *_PARTS)

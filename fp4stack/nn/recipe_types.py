@@ -115,6 +115,9 @@ class Recipe:
     lowrank: LowRank | None = None
     attention: AttentionQuant | None = None  # FP4 attention in fp4stack GPT blocks
     optimizer_states: Literal["fp32", "nvfp4"] = "fp32"  # nvfp4: AdamW4 / Muon4 in training
+    # How AdamW4 stores v for this recipe (optim.state_transforms; None: AdamW4's default); a
+    # training config's adamw4_transform, when set, overrides it.
+    adamw4_transform: str | None = None
 
     def __post_init__(self) -> None:
         for name in LINEAR_OPERANDS:
@@ -159,6 +162,9 @@ class Recipe:
         if self.optimizer_states not in ("fp32", "nvfp4"):
             raise ValueError(f"Recipe.optimizer_states must be 'fp32' or 'nvfp4', "
                              f"got {self.optimizer_states!r}")
+        if self.adamw4_transform is not None and self.optimizer_states != "nvfp4":
+            raise ValueError(f"Recipe.adamw4_transform={self.adamw4_transform!r} is for NVFP4 "
+                             "optimizer states: set Recipe.optimizer_states='nvfp4' too")
         if self.attention is not None and not isinstance(self.attention, AttentionQuant):
             raise ValueError("Recipe.attention must be an AttentionQuant (or None)")
         if self.lowrank is not None and self.lowrank.fit == "weight" and (

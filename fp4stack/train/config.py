@@ -146,6 +146,10 @@ class PretrainConfig:
                              "weights to NVFP4, so no weight can flip; use an NVFP4 recipe or "
                              "set weight_flips: false")
         check_optimizer(self.optimizer)
+        if recipe.adamw4_transform is not None and recipe.adamw4_transform not in TRANSFORMS:
+            raise ValueError(f"recipe {self.recipe_name!r}: adamw4_transform "
+                             f"{recipe.adamw4_transform!r} is unknown; choose one of "
+                             f"{list(TRANSFORMS)}")
         if self.adamw4_transform is not None:
             if self.adamw4_transform not in TRANSFORMS:
                 raise ValueError(f"adamw4_transform {self.adamw4_transform!r} is unknown; choose "

@@ -13,10 +13,11 @@ The config's `optimizer` names the algorithm (adamw, muon, root), the recipe's
     root,  nvfp4   root4    fp4stack.optim.ROOT4 (ROOT with Muon4's NVFP4 parts)
 
 The config values `adamw4`, `muon4` and `root4` name AdamW, Muon and ROOT with NVFP4 states,
-whatever the recipe's optimizer_states; the config's `adamw4_transform` picks how AdamW4 (the
-NVFP4-state AdamW, also the non-matrix part of muon4 and root4) stores v. Each param group
-carries `lr_scale`, its learning rate relative to the config's `lr`, so the one warmup + cosine
-schedule drives every group (Muon's matrices run at muon_lr, the rest at lr).
+whatever the recipe's optimizer_states; the config's `adamw4_transform`, else the recipe's,
+picks how AdamW4 (the NVFP4-state AdamW, also the non-matrix part of muon4 and root4) stores
+v. Each param group carries `lr_scale`, its learning rate relative to the config's `lr`, so the
+one warmup + cosine schedule drives every group (Muon's matrices run at muon_lr, the rest at
+lr).
 """
 
 from __future__ import annotations
@@ -160,13 +161,19 @@ def build_optimizer(model: nn.Module, choice: OptimizerChoice, *, lr: float,
     return opt
 
 
+def adamw4_transform_of(cfg: PretrainConfig) -> str | None:
+    """How a run's AdamW4 stores v: the config's adamw4_transform, else its recipe's (None:
+    AdamW4's default)."""
+    return cfg.adamw4_transform or get_recipe(cfg.recipe).adamw4_transform
+
+
 def build_from_config(model: nn.Module, cfg: PretrainConfig, *, fused: bool = False,
                       shard_local: bool = False, rank: int = 0,
                       world_size: int = 1) -> torch.optim.Optimizer:
     """build_optimizer with the optimizer and hyperparameters of `cfg`."""
     return build_optimizer(model, optimizer_of(cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, seed=cfg.seed,
-                           fused=fused, adamw4_transform=cfg.adamw4_transform,
+                           fused=fused, adamw4_transform=adamw4_transform_of(cfg),
                            shard_local=shard_local, rank=rank, world_size=world_size)
 
 

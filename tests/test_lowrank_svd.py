@@ -266,7 +266,7 @@ def test_presets_are_the_paper_forms():
     assert recipe("lowrank-svd-4over6") == base.with_(name="lowrank-svd-4over6", lowrank=split)
     assert recipe("fullstack-paper") == base.with_(
         name="fullstack-paper", lowrank=split, optimizer_states="nvfp4",
-        attention=AttentionQuant.qk_ds())
+        adamw4_transform="sqrt-center-hadamard", attention=AttentionQuant.qk_ds())
     assert recipe({"preset": "nvfp4", "name": "mine", "lowrank": {"fit": "weight"}}).lowrank == \
         LowRank(fit="weight")
     # A precision switch drops the split with the quantization (W = L + (W - L) exactly).

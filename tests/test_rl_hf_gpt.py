@@ -108,7 +108,7 @@ def rl_records(path: str, engine: str, rollout: str, trainer: str, out) -> list[
     assert any(f"(engine {engine} on cpu)" in line for line in logs)
     records = [json.loads(line) for line in (out / engine / "metrics.jsonl").open()]
     for r in records:
-        for wall_time in ("step_s", "generate_s", "rollout_wait_s"):
+        for wall_time in ("step_s", "generate_s", "rollout_wait_s", "train_s", "sync_s"):
             r.pop(wall_time, None)
     return records
 

@@ -226,12 +226,11 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int,
         return q.reshape(shape)
     static = keep is not None
     if static:
-        keep = keep.contiguous().view(torch.uint8)  # bool as bytes: *u8 loads compile
-        sums = keep  # not written
+        keep = sums = keep.contiguous().view(torch.uint8)  # bool as bytes; sums not written
     else:
-        sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
+        keep = sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
     quantize_energy_kernel[(n_groups, col_programs)](
-        x, amax, sorted_rows, tiles, q, sums, keep if static else sums, rows, k, x.stride(0),
+        x, amax, sorted_rows, tiles, q, sums, keep, rows, k, x.stride(0),
         row_div, n_tiles, outputs, rows * k, n_groups, TILE=tile, KB=kb, SORTED=sorted_,
         ROW_AMAX=spec.row_scaled, FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max,
         AMAX_HERE=here, KEEP=static, num_warps=4, **_launch_options(),

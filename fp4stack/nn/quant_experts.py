@@ -95,8 +95,7 @@ class ExpertQuantization(PackedState):
             return None
         compensation = None
         if comp is not None:
-            slots = self.packed_slots()
-            ks = [slots[proj].shape[-1] for proj in _PROJS]
+            ks = [self._input_features(proj) for proj in _PROJS]
             if spec is None or not all(operand_supported(spec, k) for k in ks):
                 return None
             # Per projection (count, per-channel tensor): the experts' column norms [E, K]

@@ -304,8 +304,9 @@ def test_backend_choice():
 
 
 @pytest.mark.parametrize("cfg", [AttentionQuant.paper(), AttentionQuant(reuse=False),
-                                 ablated(rotate_qk=True)],
-                         ids=["paper", "noreuse", "rotated"])
+                                 ablated(rotate_qk=True), AttentionQuant.qk_ds(),
+                                 AttentionQuant.qk_ds(reuse=False)],
+                         ids=["paper", "noreuse", "rotated", "qk_ds", "qk_ds-noreuse"])
 def test_gpt_trains_through_the_kernels(cfg):
     # The path the fullstack recipes take on a GPU (each block's attend hook -> the kernels; GQA
     # with 4 query heads on 2 K/V heads, head_dim 16, a length off the 16-grid), on DEVICE: the

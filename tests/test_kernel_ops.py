@@ -145,6 +145,12 @@ def test_attention_ops_pass_opcheck():
         for quant_ds in (True, False):
             torch.library.opcheck(attention_ops.attention_backward,
                                   (do, *units, out, lse, amax, True, 0.25, quant_ds, False, *alt))
+    # V unquantized (the paper's form): its units are a copy of v, never v itself
+    raw = (q, k, v, True, 0.25, False, *seeds, False)
+    torch.library.opcheck(attention_ops.attention_forward, raw)
+    amax = attention_ops.attention_forward(*raw)[2]
+    torch.library.opcheck(attention_ops.attention_backward_operands,
+                          (q, k, v, amax, *seeds[:2], *bwd_seeds, False))
 
 
 def test_attention_forward_op_is_the_kernels_forward():

@@ -1,4 +1,5 @@
-"""What the attention kernels' modules share: the launch tile and the E4M3 scale maximum.
+"""What the attention kernels' modules share: the launch tile, the E4M3 scale maximum and the
+amax that makes a raw tensor its own units.
 
 attention.py (forward), attention_units.py (operands) and attention_bwd.py (backward) import
 from here, so none of them imports another one back.
@@ -14,6 +15,10 @@ from ..formats.spec import QuantSpec
 
 SCALE_MAX = QuantSpec().scale_max  # E4M3's 448
 E4M3_RANGE = tl.constexpr(SCALE_MAX)  # the same for @triton.jit code: its globals are constexpr
+# The global amax whose decode factor is exactly 1 (6 * 448 times fl32(1 / (6 * 448)) is 1 in
+# fp32): a tensor the kernels take unquantized (V in Full-Stack FP4's own attention, the
+# ablations' high-precision operands) is passed as its own units with this amax.
+RAW_AMAX = 6.0 * SCALE_MAX
 
 
 @dataclass(frozen=True)

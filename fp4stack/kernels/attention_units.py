@@ -114,30 +114,37 @@ def quantize_units(t, amax: torch.Tensor, axis: int, tile: Tile,
 
 
 def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile, tiled: bool = False,
-                      seeds: tuple[int | None, ...] = (None, None, None)):
+                      seeds: tuple[int | None, ...] = (None, None, None), quant_v: bool = True):
     """Units of Q̂, K̂ (blocks along d) and V̂ (blocks along keys), or with `tiled` of all three
     in 16x16 tiles: contiguous [B, H, *, d] in the input dtype (fp32 stays fp32);
-    Q̂ = units * amax[0] / 2688, and so on. seeds: of Q, K, V (None: round to nearest even)."""
+    Q̂ = units * amax[0] / 2688, and so on. seeds: of Q, K, V (None: round to nearest even).
+    quant_v False: V unquantized, a contiguous copy as its own units (amax[2] must then be
+    RAW_AMAX; a copy, so that the custom ops never return their input)."""
     axes = (2, 2, 2) if tiled else (1, 1, 0)
-    return [quantize_units(t, amax[i:], axis, tile, seed)
+    return [quantize_units(t, amax[i:], axis, tile, seed) if quant_v or i < 2 else _copy(t)
             for i, (t, axis, seed) in enumerate(zip((q, k, v), axes, seeds, strict=True))]
 
 
 def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile,
                       score_seeds: tuple[int | None, int | None] = (None, None),
-                      seeds: tuple[int | None, ...] = (None, None, None)):
+                      seeds: tuple[int | None, ...] = (None, None, None), quant_v: bool = True):
     """The units of the backward GEMMs without tensor reuse (reuse=False): (Q̂, K̂ along d, V̂
     for dP = dO V̂ᵀ, Q̂ for dK = dŜᵀ Q̂, K̂ for dQ = dŜ K̂) from the raw q, k, v, quantized
     afresh with the forward's amaxes (a tensor's global amax does not depend on the axis of its
     blocks): Q̂, K̂ along d with the forward's seeds score_seeds (S recomputed bit for bit as in
     the forward); the other three along each GEMM's own reduction dim (V̂ along d, Q̂ along
     queries, K̂ along keys) with `seeds` (of Q̂ for dK, K̂ for dQ, V̂ for dP; None: round to
-    nearest even)."""
+    nearest even). quant_v False: V unquantized (the forward's amax[2] is RAW_AMAX)."""
     def units(t, i, axis, seed):
         return quantize_units(t, amax[i:], axis, tile, seed)
 
+    v_dp = units(v, 2, 1, seeds[2]) if quant_v else _copy(v)
     return (units(q, 0, 1, score_seeds[0]), units(k, 1, 1, score_seeds[1]),
-            units(v, 2, 1, seeds[2]), units(q, 0, 0, seeds[0]), units(k, 1, 0, seeds[1]))
+            v_dp, units(q, 0, 0, seeds[0]), units(k, 1, 0, seeds[1]))
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def unit_values(units: torch.Tensor, amax: torch.Tensor, i: int) -> torch.Tensor:

@@ -187,7 +187,8 @@ def fp4_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     fp4stack.kernels.attention / attention_bwd (an error where they do not apply); "auto" (the
     default) the kernels for CUDA tensors where they apply, else the reference. They apply to
     the default config with either reuse and/or ds=None, with Q, K, V rounded to nearest or
-    stochastically or in 16x16 tiles, and to most of its ablations (kernel_config in
+    stochastically or in 16x16 tiles, to V unquantized (AttentionQuant.qk_ds) and to most of
+    the default's ablations (kernel_config in
     attention_kernels.py), with mask None, head_dim in (16, 32, 64, 128) and fp32/bf16/fp16
     inputs; on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1).
     """

@@ -283,17 +283,17 @@ def reblocked_operands(vu, q_dk, k_dq, amax: Tensor, tile, reused: tuple[str, ..
 
 def unquantized_operands(q, k, v, amax: Tensor, reused: tuple[str, ...] = ()):
     """requantize=False: the backward takes each of q, k, v it does not reuse unquantized, as
-    its own units with a decode factor of exactly 1 (its amax set to 6 * 448: amax / (6 * 448)
-    is exactly 1 in fp32); the ones in `reused` are the forward's units. Returns
-    requantized_operands' five operands and the amaxes to decode them with."""
-    from ..kernels.attention_common import SCALE_MAX
+    its own units with a decode factor of exactly 1 (its amax set to RAW_AMAX); the ones in
+    `reused` are the forward's units. Returns requantized_operands' five operands and the
+    amaxes to decode them with."""
+    from ..kernels.attention_common import RAW_AMAX
 
     amax = amax.clone()
     ops = []
     for i, (name, t) in enumerate(zip("qkv", (q, k, v), strict=True)):
         if name not in reused:
             t = t.contiguous()
-            amax[i] = 6.0 * SCALE_MAX
+            amax[i] = RAW_AMAX
         ops.append(t)
     qu, ku, vu = ops
     return qu, ku, vu, qu, ku, amax

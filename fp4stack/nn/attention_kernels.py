@@ -27,7 +27,8 @@ def kernel_config(config: AttentionQuant) -> bool:
     """Whether the kernels compute `config`: the method's specs, each of Q, K, V rounded to
     nearest (NVFP4_RNE) or stochastically (NVFP4_SR), or all three in 16x16 tiles, with either
     reuse and/or ds=None, P and dP in high precision, and the ablations
-    AttentionAblation.in_kernels accepts. Other specs stay on the reference."""
+    AttentionAblation.in_kernels accepts; also V unquantized without an ablation (the paper's
+    form, AttentionQuant.qk_ds). Other specs stay on the reference."""
     # Field reads and comparisons only: torch.compile traces them on every torch it supports
     # (torch 2.11's dynamo cannot pass a frozen dataclass to an assume_constant_result function,
     # nor build one with dataclasses.replace). KERNEL_FIELDS keeps the list whole (a test).
@@ -37,9 +38,13 @@ def kernel_config(config: AttentionQuant) -> bool:
         return False
     tiled = is_tiled(config)
     if not tiled:
-        for spec in (config.q, config.k, config.v):
+        for spec in (config.q, config.k):
             if spec != NVFP4_RNE and spec != NVFP4_SR:
                 return False
+        if config.v is None:  # V taken raw (attention_ops: quant_v False)
+            return config.ablation is None
+        if config.v != NVFP4_RNE and config.v != NVFP4_SR:
+            return False
     if config.ablation is not None:
         stochastic = not tiled and NVFP4_SR in (config.q, config.k, config.v)
         return config.ablation.in_kernels(tiled, stochastic)
@@ -56,8 +61,8 @@ def triton_unsupported(q: Tensor, config: AttentionQuant, mask: Tensor | None) -
 
     if not kernel_config(config):
         return ("the kernels compute the method's specs (Q, K, V rounded to nearest or "
-                "stochastically), any reuse and ds=None, and Q, K, V in 16x16 tiles "
-                f"(requantize, no reblock) only, got {config.describe()}")
+                "stochastically, or V unquantized), any reuse and ds=None, and Q, K, V in 16x16 "
+                f"tiles (requantize, no reblock) only, got {config.describe()}")
     if mask is not None:
         return "the kernels take no mask (causal or none only)"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -92,8 +97,9 @@ class TritonAttentionFn(torch.autograd.Function):
         # GQA heads are indexed in-kernel
         tiled = is_tiled(cfg)
         reused = tuple(n for n in "qkv" if tiled or cfg.reuses(n))
-        seeds = tuple(_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles
-        out, lse, amax, *units = call(attention_forward, q, k, v, causal, scale, tiled, *seeds)
+        seeds = tuple(_seed(s) for s in (cfg.q, cfg.k, cfg.v))  # None: RNE, tiles, raw V
+        out, lse, amax, *units = call(attention_forward, q, k, v, causal, scale, tiled, *seeds,
+                                      cfg.v is not None)
         saved = [u if n in reused else t for n, u, t in zip("qkv", units, (q, k, v), strict=True)]
         ctx.save_for_backward(*saved, out, lse, amax, *seeds[:2])
         ctx.causal, ctx.scale, ctx.reused, ctx.cfg = causal, scale, reused, cfg
@@ -117,7 +123,7 @@ class TritonAttentionFn(torch.autograd.Function):
         else:
             seeds = tuple(_seed(s) for s in (cfg.q, cfg.k, cfg.v))
             qu, ku, vu, q_dk, k_dq = call(attention_backward_operands, a, b, c, amax, q_seed,
-                                          k_seed, *seeds)
+                                          k_seed, *seeds, cfg.v is not None)
         delta_dp = cfg.ablation is not None and cfg.ablation.delta == "dp"
         dq, dk, dv = call(attention_backward, do, qu, ku, vu, out, lse, amax, ctx.causal,
                           ctx.scale, cfg.ds is not None, delta_dp, q_dk, k_dq)

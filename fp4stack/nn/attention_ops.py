@@ -2,14 +2,17 @@
 custom ops, which attention_kernels.TritonAttentionFn calls: torch.compile sees each pass as one
 node with a fake (shape-only) implementation instead of tracing into Triton launches.
 
-    attention_forward(q, k, v, causal, scale, tiled, seeds of Q, K, V)
+    attention_forward(q, k, v, causal, scale, tiled, seeds of Q, K, V, quant_v)
         -> (out, lse, amaxes [3], units of Q̂, K̂, V̂)
-    attention_backward_operands(q, k, v, amaxes, seeds of Q, K; of Q̂ for dK, K̂ for dQ, V̂ for dP)
+    attention_backward_operands(q, k, v, amaxes, seeds of Q, K; of Q̂ for dK, K̂ for dQ, V̂ for dP,
+                                quant_v)
         -> units (Q̂, K̂ along d, V̂ for dP, Q̂ for dK, K̂ for dQ)   (no tensor reuse)
     attention_backward(dO, units, out, lse, amaxes, causal, scale, quant_ds, delta_dp, q_dk?, k_dq?)
         -> (dQ, dK, dV)
 
-Stochastic-rounding seeds are int64 tensors of one element (None: round to nearest even),
+quant_v False takes V unquantized (Full-Stack FP4's own attention: only QKᵀ and dS in NVFP4):
+V is its own units, its amax RAW_AMAX (a decode factor of exactly 1), and the kernels run as
+they are. Stochastic-rounding seeds are int64 tensors of one element (None: round to nearest even),
 drawn by the caller from torch's generator, so the graph holds the draws. The kernels run CUDA
 tensors, or CPU tensors under the Triton interpreter; on the CPU without it, fp4_attention takes
 its torch reference (nn.attention), which torch.compile traces as it is. Each op picks its launch
@@ -41,18 +44,22 @@ def _tiles(t: Tensor):
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, tiled: bool,
-             q_seed: Tensor | None, k_seed: Tensor | None, v_seed: Tensor | None
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+             q_seed: Tensor | None, k_seed: Tensor | None, v_seed: Tensor | None,
+             quant_v: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [B, H, S, d] in q's dtype, lse [B, H, S] fp32, the global amaxes of q, k, v [3],
     and the units of Q̂, K̂ (blocks along d) and V̂ (along keys), or all three in 16x16 tiles
-    with `tiled`) of q over k, v [B, Hkv, L, d]."""
+    with `tiled`) of q over k, v [B, Hkv, L, d]. quant_v False: V unquantized (amaxes[2] is
+    RAW_AMAX, V's units are v itself)."""
     from ..kernels import attention as kernel
+    from ..kernels.attention_common import RAW_AMAX
     from ..kernels.attention_units import quantize_operands
 
     tiles = _tiles(q)
-    amax = kernel.amaxes(q, k, v)
+    # A fill, not a copy from the host: the raw V's amax costs no transfer and no pass over V.
+    raw = None if quant_v else q.new_full((), RAW_AMAX, dtype=torch.float32)
+    amax = kernel.amaxes(q, k, v, v_amax=raw)
     seeds = (_int(q_seed), _int(k_seed), _int(v_seed))
-    units = quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds)
+    units = quantize_operands(q, k, v, amax, tiles["quant"], tiled, seeds, quant_v)
     out, lse = kernel.forward_units(*units, amax, causal, scale, tiles["fwd"])
     return out, lse, amax, *units
 
@@ -62,7 +69,7 @@ attention_forward = torch.library.custom_op("fp4stack::attention_forward", _forw
 
 
 @attention_forward.register_fake
-def _(q, k, v, causal, scale, tiled, q_seed, k_seed, v_seed):
+def _(q, k, v, causal, scale, tiled, q_seed, k_seed, v_seed, quant_v=True):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     units = [t.new_empty(t.shape) for t in (q, k, v)]
     return q.new_empty(q.shape), lse, q.new_empty((3,), dtype=torch.float32), *units
@@ -70,16 +77,16 @@ def _(q, k, v, causal, scale, tiled, q_seed, k_seed, v_seed):
 
 def _backward_operands(q: Tensor, k: Tensor, v: Tensor, amax: Tensor, q_seed: Tensor | None,
                        k_seed: Tensor | None, q_dk_seed: Tensor | None,
-                       k_dq_seed: Tensor | None, v_dp_seed: Tensor | None
+                       k_dq_seed: Tensor | None, v_dp_seed: Tensor | None, quant_v: bool = True
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The units of the backward GEMMs without tensor reuse from the raw q, k, v
     (attention_units.backward_operands): Q̂, K̂ along d with the forward's seeds, then V̂ along
-    d, Q̂ along queries and K̂ along keys with fresh ones."""
+    d (quant_v False: V itself), Q̂ along queries and K̂ along keys with fresh ones."""
     from ..kernels.attention_units import backward_operands
 
     return tuple(backward_operands(
         q, k, v, amax, _tiles(q)["quant"], (_int(q_seed), _int(k_seed)),
-        (_int(q_dk_seed), _int(k_dq_seed), _int(v_dp_seed))))
+        (_int(q_dk_seed), _int(k_dq_seed), _int(v_dp_seed)), quant_v))
 
 
 attention_backward_operands = torch.library.custom_op(
@@ -87,7 +94,7 @@ attention_backward_operands = torch.library.custom_op(
 
 
 @attention_backward_operands.register_fake
-def _(q, k, v, amax, q_seed, k_seed, q_dk_seed, k_dq_seed, v_dp_seed):
+def _(q, k, v, amax, q_seed, k_seed, q_dk_seed, k_dq_seed, v_dp_seed, quant_v=True):
     return tuple(t.new_empty(t.shape) for t in (q, k, v, q, k))
 
 

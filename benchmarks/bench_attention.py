@@ -98,7 +98,9 @@ def fp4_variants() -> dict:
             ", Q/K rotated": AttentionAblation.quant(rotate_qk=True),
             ", no reuse": AttentionQuant(reuse=False),
             ", no reuse, delta from dP": AttentionAblation.quant(reuse=False, delta="dp"),
-            ", Q/K/V stochastic": AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR)}
+            ", Q/K/V stochastic": AttentionQuant(q=NVFP4_SR, k=NVFP4_SR, v=NVFP4_SR),
+            ", V unquantized (qk_ds)": AttentionQuant.qk_ds(),
+            ", V unquantized, no reuse": AttentionQuant.qk_ds(reuse=False)}
 
 
 def measure(B, H, S, d, causal, device, with_reference, tiles_label=""):

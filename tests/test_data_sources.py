@@ -15,7 +15,7 @@ from test_data_markup import MAN, POD, b64
 
 from fp4stack.data import build as build_module
 from fp4stack.data import build_dataset, corpus
-from fp4stack.data.debian_docs import DEBIAN_DOCS, DICT_DOC_CHARS, MIN_WORDS
+from fp4stack.data.debian_docs import DEBIAN_DOCS, DICT_DOC_CHARS, MIN_WORDS, selects
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_dpkg = pytest.mark.skipif(shutil.which("dpkg-deb") is None,
@@ -143,6 +143,40 @@ def test_mix_definition():
         assert spec.prefix.endswith("/") and spec.markup in ("html", "man", "pod", "text",
                                                              "dictd")
     assert MIN_WORDS > 0
+
+
+@pytest.mark.parametrize(("name", "path", "read"), [
+    ("wireshark-doc", "wsug_html_chunked/ChapterIntroduction.html", True),
+    ("wireshark-doc", "wsdg_html_chunked/ChSrcBuildFirstTime.html", True),
+    ("wireshark-doc", "release-notes.html", False),
+    ("ns3-doc", "manual/html/_sources/attributes.rst.txt", True),
+    ("ns3-doc", "models/html/_sources/wifi-design.rst.txt", True),
+    ("ns3-doc", "manual/html/attributes.html", False),
+    ("pacemaker-doc", "Pacemaker_Explained/singlehtml/index.html", True),
+    ("pacemaker-doc", "html/gl__openssl_8h.html", False),  # Doxygen of the C sources
+    ("pacemaker-doc", "crm_fencing.html", False),
+    ("libstdc++-doc", "user/a01234.html", True),
+    ("libstdc++-doc", "user/a01234_source.html", False),  # a header's source listing
+    ("libstdc++-doc", "user/functions_b.html", False),
+    ("libstdc++-doc", "manual/using.html", True),
+    ("derby-doc", "org/apache/derby/jdbc/EmbeddedDriver.html", True),
+    ("derby-doc", "org/apache/derby/jdbc/class-use/EmbeddedDriver.html", False),
+    ("derby-doc", "index-files/index-1.html", False),
+    ("groovy-doc", "groovy/lang/package-tree.html", False),
+    ("openjdk-17-doc", "allclasses-index.html", False),
+    ("rust-web-doc", "std/vec/struct.Vec.html", True),
+    ("rust-web-doc", "src/alloc/vec/mod.rs.html", False),
+    ("db5.3-doc", "programmer_reference/intro.html", True),
+    ("db5.3-doc", "java/com/sleepycat/db/Database.html", False),
+    ("apache2-doc", "mod/core.html", True),
+    ("python-pytest-doc", "how-to/fixtures.html", True),
+    ("python-pytest-doc", "announce/release-7.0.0.html", False),
+    ("python-pytest-doc", "genindex.html", False),
+    ("dpdk-guides", "prog_guide/mbuf_lib.rst.txt", True),
+    ("dpdk-guides", "rel_notes/release_22_11.rst.txt", False),
+])
+def test_the_sources_read_the_pages_they_name(name, path, read):
+    assert selects(DEBIAN_DOCS[name], path) is read
 
 
 def test_mix_build_is_deterministic(tmp_path, monkeypatch):

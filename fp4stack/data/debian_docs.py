@@ -45,9 +45,18 @@ class DebianDoc:
     exclude: str = ""  # regular expression over the path below `prefix`
 
 
+def _skip(spec: DebianDoc) -> re.Pattern:
+    return re.compile("|".join(p for p in (_INDEX_PAGES, spec.exclude) if p))
+
+
+def selects(spec: DebianDoc, path: str) -> bool:
+    """Whether a page of the package, at `path` below spec.prefix, is read."""
+    return path.endswith(spec.suffixes) and not _skip(spec).search(path)
+
+
 def _read_pages(name: str, spec: DebianDoc) -> Callable[[list[Path]], Iterator[Document]]:
     convert = _CONVERTERS[spec.markup]
-    skip = re.compile("|".join(p for p in (_INDEX_PAGES, spec.exclude) if p))
+    skip = _skip(spec)
 
     def read(files: list[Path]) -> Iterator[Document]:
         pages = {}
@@ -107,6 +116,9 @@ def _source(name: str, spec: DebianDoc) -> Source:
 
 
 _SPHINX = r"(^|/)(_modules|_static|_images|_downloads)/"
+# javadoc's generated lists: indexes, trees, class uses, the all-classes pages.
+_JAVADOC = (r"index-files|-tree\.html$|/class-use/|package-use\.html$|(^|/)(allclasses|"
+            "allpackages|constant-values|deprecated-list|overview-tree|serialized-form|help-doc)")
 _LANG = "ca|cs|de|es|fr|hu|it|ja|nl|pt|zh|ko|ru"
 _LANGS = rf"(^|/)({_LANG})(/|$)|\.({_LANG})\.html$"  # translations: English only
 
@@ -193,8 +205,7 @@ DEBIAN_DOCS: dict[str, DebianDoc] = {
     "openjdk-17-doc": DebianDoc(
         "openjdk-17-doc", "usr/share/doc/openjdk-17-jre-headless/api/", (".html",), "html",
         "GPL-2.0 WITH Classpath-exception-2.0", "Java SE 17 API documentation",
-        exclude=r"index-files|-tree\.html$|/class-use/|package-use\.html$|^(allclasses|"
-        "allpackages|constant-values|deprecated-list|overview-tree|serialized-form|help-doc)"),
+        exclude=_JAVADOC),
     "cppreference": DebianDoc(
         "cppreference-doc-en-html", "usr/share/cppreference/doc/html/en/", (".html",), "html",
         "CC-BY-SA-3.0 OR GFDL-1.2-no-invariants", "cppreference.com C and C++ reference "
@@ -280,6 +291,94 @@ DEBIAN_DOCS: dict[str, DebianDoc] = {
         "scala-doc", "usr/share/doc/scala-2.11/api/", (".html",), "html", "BSD-3-Clause",
         "Scala 2.11 standard library API documentation",
         exclude=r"index/index-|(^|/)deprecated-list\.html$"),
+    # Added for issue 38's 150M-token aim: more manuals and guides, then two javadoc trees.
+    "libreoffice-help": DebianDoc(
+        "libreoffice-help-en-us", "usr/share/libreoffice/help/en-US/text/", (".html",), "html",
+        "MPL-2.0", "LibreOffice help pages (English)"),
+    "apache2-doc": DebianDoc(
+        "apache2-doc", "usr/share/doc/apache2-doc/manual/en/", (".html",), "html",
+        "Apache-2.0", "Apache HTTP Server 2.4 documentation (English)"),
+    "maxima-doc": DebianDoc(
+        "maxima-doc", "usr/share/doc/maxima-doc/html/", (".html",), "html", "GPL-2.0",
+        "Maxima computer algebra system manual"),
+    "biopython-tutorial": DebianDoc(
+        "python-biopython-doc", "usr/share/doc/python-biopython-doc/Doc/", (".html",), "html",
+        "LicenseRef-Biopython OR BSD-3-Clause", "Biopython tutorial and cookbook"),
+    "wireshark-doc": DebianDoc(
+        "wireshark-doc", "usr/share/doc/wireshark/", (".html",), "html", "GPL-2.0-or-later",
+        "Wireshark user's and developer's guides",
+        exclude=r"^(?!ws[ud]g_html_chunked/)"),
+    "ns3-doc": DebianDoc(
+        "ns3-doc", "usr/share/doc/ns3/", (".rst.txt",), "text", "GPL-2.0",
+        "ns-3 network simulator manual, model library and tutorial (reST sources)",
+        exclude=r"^(?!(models|manual|tutorial)/html/_sources/)"),
+    "zsh-doc": DebianDoc(
+        "zsh-doc", "usr/share/doc/zsh-common/html/", (".html",), "html", "Zsh (MIT-like)",
+        "Zsh manual"),
+    "python-pytest-doc": DebianDoc(
+        "python-pytest-doc", "usr/share/doc/python-pytest-doc/html/", (".html",), "html",
+        "MIT", "pytest documentation", exclude=_SPHINX + r"|^(changelog|announce/)"),
+    "python-pil-doc": DebianDoc(
+        "python-pil-doc", "usr/share/doc/python-pil-doc/html/", (".html",), "html", "HPND",
+        "Pillow documentation", exclude=_SPHINX + r"|^releasenotes/"),
+    "python-mpmath-doc": DebianDoc(
+        "python-mpmath-doc", "usr/share/doc/python-mpmath-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "mpmath documentation", exclude=_SPHINX),
+    "bind9-doc": DebianDoc(
+        "bind9-doc", "usr/share/doc/bind9-doc/arm/", (".html",), "html", "MPL-2.0",
+        "BIND 9 Administrator Reference Manual", exclude=_SPHINX + r"|^notes"),
+    "exim4-doc": DebianDoc(
+        "exim4-doc-html", "usr/share/doc/exim4-doc-html/spec_html/", (".html",), "html",
+        "GPL-2.0-or-later", "Exim 4 specification"),
+    "r-manuals": DebianDoc(
+        "r-doc-html", "usr/share/R/doc/manual/", (".html",), "html", "GPL-2.0",
+        "R manuals (introduction, data, administration, extensions, internals, FAQ)"),
+    "python-flask-doc": DebianDoc(
+        "python-flask-doc", "usr/share/doc/python-flask-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Flask documentation", exclude=_SPHINX + r"|^changes"),
+    "python-werkzeug-doc": DebianDoc(
+        "python-werkzeug-doc", "usr/share/doc/python-werkzeug-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Werkzeug documentation", exclude=_SPHINX + r"|^changes"),
+    "python-jinja2-doc": DebianDoc(
+        "python-jinja2-doc", "usr/share/doc/python-jinja2-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Jinja documentation", exclude=_SPHINX + r"|^changes"),
+    "python-setuptools-doc": DebianDoc(
+        "python-setuptools-doc", "usr/share/doc/python-setuptools-doc/html/", (".html",),
+        "html", "MIT", "setuptools documentation", exclude=_SPHINX + r"|^history"),
+    "dpdk-guides": DebianDoc(
+        "dpdk-doc", "usr/share/doc/dpdk/guides/_sources/", (".rst.txt",), "text",
+        "BSD-3-Clause", "DPDK guides (reST sources)", exclude=r"^rel_notes/"),
+    "pacemaker-doc": DebianDoc(
+        "pacemaker-doc", "usr/share/doc/pacemaker/", (".html",), "html", "CC-BY-SA-4.0",
+        "Pacemaker books (Clusters from Scratch, Administration, Explained, Remote, "
+        "Development)", exclude=r"^(?![A-Za-z_]+/singlehtml/)"),
+    "db5.3-doc": DebianDoc(
+        "db5.3-doc", "usr/share/doc/db5.3-doc/", (".html",), "html", "Sleepycat",
+        "Berkeley DB 5.3 guides and C/C++ API reference",
+        exclude=r"^(java|csharp)/|^api_reference/(STL|TCL)/"),
+    "clisp-doc": DebianDoc(
+        "clisp-doc", "usr/share/doc/clisp/doc/", (".html",), "html", "GPL-2.0-or-later",
+        "CLISP implementation notes and manual"),
+    "rust-web-doc": DebianDoc(
+        "rust-web-doc", "usr/share/doc/rust-web-doc/html/", (".html",), "html",
+        "MIT OR Apache-2.0", "Rust 1.85 books and standard library API documentation (much of "
+        "it the same pages as rust-doc's 1.63, which deduplication removes)",
+        exclude=r"^src/|/(all|sidebar-items|print)\.html$|/core_arch/"),
+    "libstdc++-doc": DebianDoc(
+        "libstdc++-12-doc", "usr/share/doc/gcc-12-base/libstdc++/", (".html",), "html",
+        "GPL-3.0-or-later WITH GCC-exception-3.1 AND GFDL-1.3-no-invariants-or-later",
+        "GNU C++ library manual and API documentation (Doxygen)",
+        exclude=r"_source\.html$|(^|/)(functions|namespacemembers|globals|hierarchy|annotated|"
+        r"files|namespaces|modules|pages|classes|dir_|inherits)[^/]*\.html$"),
+    "openssl-manpages": DebianDoc(
+        "libssl-doc", "usr/share/man/", (".gz",), "man", "Apache-2.0",
+        "OpenSSL 3.0 library manual pages"),
+    "derby-doc": DebianDoc(
+        "derby-doc", "usr/share/doc/derby-doc/javadoc/", (".html",), "html", "Apache-2.0",
+        "Apache Derby API documentation", exclude=_JAVADOC),
+    "groovy-doc": DebianDoc(
+        "groovy-doc", "usr/share/doc/groovy/api/", (".html",), "html", "Apache-2.0",
+        "Apache Groovy API documentation", exclude=_JAVADOC),
     # Manual pages.
     "manpages": DebianDoc(
         "manpages", "usr/share/man/", (".gz",), "man", "GPL-2.0-or-later (various, see the "

@@ -291,7 +291,8 @@ DEBIAN_DOCS: dict[str, DebianDoc] = {
         "scala-doc", "usr/share/doc/scala-2.11/api/", (".html",), "html", "BSD-3-Clause",
         "Scala 2.11 standard library API documentation",
         exclude=r"index/index-|(^|/)deprecated-list\.html$"),
-    # Added for issue 38's 150M-token aim: more manuals and guides, then two javadoc trees.
+    # More manuals and guides, a newer Rust, C++ and OpenSSL references and two javadoc trees:
+    # what brings the deduplicated mix past 150M tokens.
     "libreoffice-help": DebianDoc(
         "libreoffice-help-en-us", "usr/share/libreoffice/help/en-US/text/", (".html",), "html",
         "MPL-2.0", "LibreOffice help pages (English)"),

@@ -174,6 +174,11 @@ def test_mix_definition():
     ("python-pytest-doc", "genindex.html", False),
     ("dpdk-guides", "prog_guide/mbuf_lib.rst.txt", True),
     ("dpdk-guides", "rel_notes/release_22_11.rst.txt", False),
+    ("python-tornado-doc", "guide/async.html", True),
+    ("python-tornado-doc", "releases/v6.2.0.html", False),
+    ("python-hypothesis-doc", "changes.html", False),
+    ("python-lxml-doc", "apidoc/_modules/lxml/html.html", False),  # highlighted source code
+    ("gnutls-doc", "api-reference/api-index-full.html", False),
 ])
 def test_the_sources_read_the_pages_they_name(name, path, read):
     assert selects(DEBIAN_DOCS[name], path) is read

@@ -119,6 +119,8 @@ _SPHINX = r"(^|/)(_modules|_static|_images|_downloads)/"
 # javadoc's generated lists: indexes, trees, class uses, the all-classes pages.
 _JAVADOC = (r"index-files|-tree\.html$|/class-use/|package-use\.html$|(^|/)(allclasses|"
             "allpackages|constant-values|deprecated-list|overview-tree|serialized-form|help-doc)")
+# Release notes and change logs, as Sphinx projects name them.
+_NEWS = r"|(^|/)(changelog|changes|history|whatsnew|whats_new|news|releases|release[-_]?notes)[^/]*(/|\.html$)"
 _LANG = "ca|cs|de|es|fr|hu|it|ja|nl|pt|zh|ko|ru"
 _LANGS = rf"(^|/)({_LANG})(/|$)|\.({_LANG})\.html$"  # translations: English only
 
@@ -374,6 +376,50 @@ DEBIAN_DOCS: dict[str, DebianDoc] = {
     "openssl-manpages": DebianDoc(
         "libssl-doc", "usr/share/man/", (".gz",), "man", "Apache-2.0",
         "OpenSSL 3.0 library manual pages"),
+    "gnutls-doc": DebianDoc(
+        "gnutls-doc", "usr/share/doc/gnutls-doc/", (".html",), "html",
+        "GFDL-1.3-or-later AND LGPL-2.1-or-later", "GnuTLS manual and API reference",
+        exclude=r"api-index"),
+    "haproxy-doc": DebianDoc(
+        "haproxy-doc", "usr/share/doc/haproxy/", (".html",), "html", "GPL-2.0-or-later",
+        "HAProxy configuration and management manuals, Lua API", exclude=_SPHINX),
+    "postfix-doc": DebianDoc(
+        "postfix-doc", "usr/share/doc/postfix/html/", (".html",), "html",
+        "IPL-1.0 OR EPL-2.0", "Postfix documentation"),
+    "varnish-doc": DebianDoc(
+        "varnish-doc", "usr/share/doc/varnish/html/", (".html",), "html", "BSD-2-Clause",
+        "Varnish Cache documentation", exclude=_SPHINX + _NEWS),
+    "python-tornado-doc": DebianDoc(
+        "python-tornado-doc", "usr/share/doc/python-tornado-doc/html/", (".html",), "html",
+        "Apache-2.0", "Tornado documentation", exclude=_SPHINX + _NEWS),
+    "python-lxml-doc": DebianDoc(
+        "python-lxml-doc", "usr/share/doc/python-lxml/html/", (".html",), "html",
+        "BSD-3-Clause", "lxml documentation", exclude=_SPHINX + _NEWS),
+    "python-scrapy-doc": DebianDoc(
+        "python-scrapy-doc", "usr/share/doc/python-scrapy-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Scrapy documentation", exclude=_SPHINX + _NEWS),
+    "python-ipython-doc": DebianDoc(
+        "python-ipython-doc", "usr/share/doc/python-ipython-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "IPython documentation", exclude=_SPHINX + _NEWS),
+    "python-kombu-doc": DebianDoc(
+        "python-kombu-doc", "usr/share/doc/python-kombu-doc/html/", (".html",), "html",
+        "BSD-3-Clause", "Kombu documentation", exclude=_SPHINX + _NEWS),
+    "python-hypothesis-doc": DebianDoc(
+        "python-hypothesis-doc", "usr/share/doc/python-hypothesis-doc/html/", (".html",),
+        "html", "MPL-2.0", "Hypothesis documentation", exclude=_SPHINX + _NEWS),
+    "python-cryptography-doc": DebianDoc(
+        "python-cryptography-doc", "usr/share/doc/python-cryptography-doc/html/", (".html",),
+        "html", "Apache-2.0 OR BSD-3-Clause", "cryptography documentation",
+        exclude=_SPHINX + _NEWS),
+    "python-pymongo-doc": DebianDoc(
+        "python-pymongo-doc", "usr/share/doc/python-pymongo-doc/html/", (".html",), "html",
+        "Apache-2.0", "PyMongo documentation", exclude=_SPHINX + _NEWS),
+    "python-pygments-doc": DebianDoc(
+        "python-pygments-doc", "usr/share/doc/python-pygments-doc/html/", (".html",), "html",
+        "BSD-2-Clause", "Pygments documentation", exclude=_SPHINX + _NEWS),
+    "mypy-doc": DebianDoc(
+        "mypy-doc", "usr/share/doc/mypy/html/", (".html",), "html", "MIT",
+        "mypy documentation", exclude=_SPHINX + _NEWS),
     "derby-doc": DebianDoc(
         "derby-doc", "usr/share/doc/derby-doc/javadoc/", (".html",), "html", "Apache-2.0",
         "Apache Derby API documentation", exclude=_JAVADOC),

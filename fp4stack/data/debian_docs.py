@@ -120,7 +120,8 @@ _SPHINX = r"(^|/)(_modules|_static|_images|_downloads)/"
 _JAVADOC = (r"index-files|-tree\.html$|/class-use/|package-use\.html$|(^|/)(allclasses|"
             "allpackages|constant-values|deprecated-list|overview-tree|serialized-form|help-doc)")
 # Release notes and change logs, as Sphinx projects name them.
-_NEWS = r"|(^|/)(changelog|changes|history|whatsnew|whats_new|news|releases|release[-_]?notes)[^/]*(/|\.html$)"
+_NEWS = (r"|(^|/)(changelog|changes|history|whatsnew|whats_new|news|releases|release[-_]?notes)"
+         r"[^/]*(/|\.html$)")
 _LANG = "ca|cs|de|es|fr|hu|it|ja|nl|pt|zh|ko|ru"
 _LANGS = rf"(^|/)({_LANG})(/|$)|\.({_LANG})\.html$"  # translations: English only
 

@@ -567,18 +567,21 @@ def test_stochastic_bf16(name):
 
 
 def test_triton_configs():
-    """triton_unsupported accepts the default config and its ablations (reuse, requantize, ds);
-    any other spec or flag stays on the reference, and backend="triton" says why."""
+    """triton_unsupported accepts the default config and its ablations (reuse, requantize, ds)
+    and V unquantized without an ablation; any other spec or flag stays on the reference, and
+    backend="triton" says why."""
     q, k, v = draw(1, 2, 8, 8, 16)
     tiled = [replace(TILED, **kw) for kw in ({}, {"reuse": False}, {"ds": None})]
     rotated = [ablated(rotate_qk=True), ablated(rotate_qk=True, reuse=False)]
+    qk_ds = [AttentionQuant.qk_ds(), AttentionQuant.qk_ds(reuse=False),
+             AttentionQuant(v=None, ds=None)]  # V unquantized: taken raw by the kernels
     for cfg in (AttentionQuant.paper(), NOREUSE, DS_HP, BOTH, *ABLATIONS.values(), *tiled,
-                *rotated):
+                *rotated, *qk_ds):
         assert attention_kernels.triton_unsupported(q, cfg, None) == "", cfg
     for cfg in STOCHASTIC.values():
         assert attention_kernels.triton_unsupported(q, cfg, None) == "", cfg
     for cfg in (AttentionQuant.only("q"), AttentionQuant(p=NVFP4_RNE),
-                AttentionQuant(dp=NVFP4_RNE), AttentionQuant(v=None, reuse=False),
+                AttentionQuant(dp=NVFP4_RNE), replace(rotated[0], v=None),
                 AttentionQuant(ds=NVFP4_SR), AttentionQuant(q=QuantSpec(), ds=None),
                 AttentionQuant(q=QuantSpec(rounding="stochastic")),
                 ablated(q=NVFP4_SR, reblock=True),

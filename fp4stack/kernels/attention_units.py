@@ -121,8 +121,9 @@ def quantize_operands(q, k, v, amax: torch.Tensor, tile: Tile, tiled: bool = Fal
     quant_v False: V unquantized, a contiguous copy as its own units (amax[2] must then be
     RAW_AMAX; a copy, so that the custom ops never return their input)."""
     axes = (2, 2, 2) if tiled else (1, 1, 0)
-    return [quantize_units(t, amax[i:], axis, tile, seed) if quant_v or i < 2 else _copy(t)
-            for i, (t, axis, seed) in enumerate(zip((q, k, v), axes, seeds, strict=True))]
+    qu, ku = (quantize_units(t, amax[i:], axes[i], tile, seeds[i]) for i, t in enumerate((q, k)))
+    vu = quantize_units(v, amax[2:], axes[2], tile, seeds[2]) if quant_v else _copy(v)
+    return [qu, ku, vu]
 
 
 def backward_operands(q, k, v, amax: torch.Tensor, tile: Tile,

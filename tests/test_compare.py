@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fp4stack.data import write_shard
-from fp4stack.rl.compare import RunProgress, run_rl_comparison
+from fp4stack.rl.compare import RunProgress, parse_sweep, run_rl_comparison
 from fp4stack.rl.config import RLConfig
 from fp4stack.train.compare import (
     RunRow,
@@ -205,3 +205,38 @@ def test_rl_compare_shows_one_line_per_run_unless_verbose(tmp_path, capsys):
     with RunProgress("x", 2) as progress:
         progress.log("time limit of 1 min: stopping after step 1")
     assert "time limit of 1 min" in capsys.readouterr().out
+
+
+def _tiny_rl(**kw) -> RLConfig:
+    return RLConfig(policy={"kind": "gpt", "preset": "tiny-moe", "moe_hidden": 64},
+                    task_options={"level": 1, "n_test": 4}, sft_steps=4, steps=2,
+                    prompts_per_step=2, group_size=2, max_new_tokens=3, eval_every=0,
+                    device="cpu", **kw)
+
+
+def test_a_sweep_parses_into_typed_values_of_one_field():
+    cfg = _tiny_rl()
+    assert parse_sweep("lr=1e-6, 3e-6", cfg) == ("lr", [("1e-6", 1e-6), ("3e-6", 3e-6)])
+    assert parse_sweep("group_size=4,8", cfg) == ("group_size", [("4", 4), ("8", 8)])
+    assert parse_sweep("routing_replay=true,false", cfg)[1] == [("true", True), ("false", False)]
+    for bad, match in (("lr", "FIELD=V1"), ("=1", "FIELD=V1"), ("lr=", "FIELD=V1"),
+                       ("learning_rate=1", "not an RL config field"),
+                       ("lr=fast", "not of type float"),
+                       ("group_size=2.5", "not of type int"),
+                       ("group_size=1", "group_size"), ("lr=1e-6,1e-6", "twice"),
+                       ("sft_lr=1e-3", "SFT start"), ("seed=1,2", "--seeds"),
+                       ("rollout=fp8", "run names"), ("task_options=x", "SFT start")):
+        with pytest.raises(ValueError, match=match):
+            parse_sweep(bad, cfg)
+
+
+def test_a_swept_comparison_runs_each_value_from_one_sft_start(tmp_path):
+    rows = run_rl_comparison(_tiny_rl(lr=1e-4), ["bf16"], tmp_path, log=lambda *a: None,
+                             verbose=False, sweep="lr=1e-4,3e-2")
+    assert [r["run"] for r in rows] == ["bf16 lr=1e-4", "bf16 lr=3e-2"]
+    lrs = [json.loads((tmp_path / d / "config.json").read_text())["lr"]
+           for d in ("bf16-lr1e-4", "bf16-lr3e-2")]
+    assert lrs == [1e-4, 3e-2]
+    assert rows[0]["start_weights"] == rows[1]["start_weights"]  # the one SFT start
+    assert (tmp_path / "sft" / "sft_policy.pt").exists()
+    assert "bf16 lr=3e-2" in (tmp_path / "rl_compare.md").read_text()

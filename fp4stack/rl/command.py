@@ -2,6 +2,7 @@
 
     fp4stack rl --config configs/rl/tiny.yaml --rollout quads --trainer qat-w --steps 50
     fp4stack rl-compare --config configs/rl/tiny.yaml --out runs/rl-compare/tiny
+    fp4stack rl-compare --config configs/rl/tiny.yaml --runs bf16 --sweep lr=1e-4,3e-4
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                         "quads)")
     p.add_argument("--seeds", help="comma-separated seeds: every run once per seed, each seed "
                                    "from its own SFT start (default: the config's seed)")
+    p.add_argument("--sweep", metavar="FIELD=V1,V2,...",
+                   help="repeat every run once per value of one config field, from the same "
+                        "SFT start (e.g. lr=1e-6,3e-6 or kl_coef=0,0.001)")
     p.add_argument("--out", default="runs/rl-compare", help="output directory")
     add_jobs_argument(p)
     p.add_argument("--verbose", action="store_true",
@@ -108,7 +112,8 @@ def run_compare_command(args: argparse.Namespace) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
         rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out,
-                                 verbose=args.verbose, seeds=seeds, jobs=args.jobs)
+                                 verbose=args.verbose, seeds=seeds, jobs=args.jobs,
+                                 sweep=args.sweep)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl-compare", e)
     except RunsFailedError as e:

@@ -8,9 +8,9 @@ weights quantized as the rollout's, where the rollout quantizes weights with com
 alone: quads, quads-token, w4a16; else bf16) and token-level truncated importance sampling. So
 bf16, fp8, nvfp4, nvfp4+tis, quads, quads@0.5, quads@0.5:static, w4a16 and nvfp4-token/qat-w
 are all runs. With several seeds each run repeats per seed from that seed's own SFT start
-(out/sft, out/sft-seed<N>). Writes DIR/rl_compare.md (pass@1 at the start and at the end,
-final reward, k3, mean and max |dlogp|), rl_compare.json and rl_compare.png (k3, max |dlogp|
-and reward / pass@1 per step).
+(out/sft, out/sft-seed<N>); a sweep (`lr=1e-6,3e-6`) repeats each run per value. Writes
+DIR/rl_compare.md (pass@1 at the start and at the end, final reward, k3, mean and max |dlogp|),
+rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step).
 """
 
 from __future__ import annotations
@@ -70,12 +70,56 @@ def parse_run(name: str) -> dict[str, Any]:
     return overrides
 
 
+# Fields a sweep may not vary: the run name sets the first ones, --seeds the seed, and the
+# others make the SFT start, which a comparison's runs share (trainer.sft_inputs).
+_NOT_SWEPT = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed",
+              "out", "device")
+
+
+def parse_sweep(text: str, cfg: RLConfig) -> tuple[str, list[tuple[str, Any]]]:
+    """`FIELD=V1,V2,...` -> (field, [(as typed, value), ...]): one scalar RLConfig field, each
+    value converted to the type of cfg's; ValueError naming what is wrong."""
+    from .trainer import SFT_KEYS
+
+    field_name, sep, values = text.partition("=")
+    field_name = field_name.strip()
+    if not sep or not field_name or not values.strip():
+        raise ValueError(f"sweep {text!r} is not FIELD=V1,V2,..., e.g. lr=1e-6,3e-6")
+    if not hasattr(cfg, field_name):
+        raise ValueError(f"sweep: {field_name!r} is not an RL config field")
+    if field_name in _NOT_SWEPT or field_name in SFT_KEYS:
+        raise ValueError(f"sweep: {field_name} cannot be swept: it is set by the run names or "
+                         "--seeds, or it changes the SFT start the runs share (use separate "
+                         "--out directories for that)")
+    current = getattr(cfg, field_name)
+    kind = type(current)
+    if kind not in (int, float, str, bool):
+        raise ValueError(f"sweep: {field_name} is not a scalar field")
+    parsed = []
+    for raw in (v.strip() for v in values.split(",")):
+        try:
+            value = {bool: lambda v: {"true": True, "false": False}[v.lower()]}.get(kind, kind)(raw)
+        except (KeyError, ValueError):
+            raise ValueError(f"sweep: {field_name}={raw!r} is not of type {kind.__name__}"
+                             ) from None
+        cfg.with_overrides(**{field_name: value})  # the config's own checks, naming the field
+        parsed.append((raw, value))
+    if len({v for _, v in parsed}) != len(parsed):
+        raise ValueError(f"sweep: {field_name} lists a value twice")
+    return field_name, parsed
+
+
 def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
                       log: Callable[[str], None] = print, verbose: bool = True,
-                      seeds: list[int] | None = None, jobs: int = 1) -> list[dict[str, Any]]:
+                      seeds: list[int] | None = None, jobs: int = 1,
+                      sweep: str | None = None) -> list[dict[str, Any]]:
     """Train each named run (see the module doc) from `cfg` (same task and SFT start) into
     out/<name>, or out/<name>/seed<N> for each of several `seeds` (default: the config's); a
     finished run (result.json present) is reused.
+
+    sweep: `FIELD=V1,V2,...` (parse_sweep) repeats every run once per value, as run
+    "<name> FIELD=V" in out/<name>-FIELD<V>, all from the same SFT start: e.g. the lr of the
+    BF16 run swept before a comparison.
 
     verbose: every log line of every run goes to `log`. Otherwise each run shows a progress bar
     (on a terminal, with tqdm installed) and `log` gets one line per run: its steps, time and
@@ -85,18 +129,24 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
     """
     if jobs < 1:
         raise ValueError(f"jobs (--jobs) must be >= 1, got {jobs}")
-    overrides = {name: parse_run(name) for name in runs}  # every name checked before any run
+    # (label, directory name, overrides) per run and swept value; every name checked first.
+    variants = [(name, name, parse_run(name)) for name in runs]
+    if sweep is not None:
+        field_name, values = parse_sweep(sweep, cfg)
+        variants = [(f"{label} {field_name}={raw}", f"{dirname}-{field_name}{raw}",
+                     {**overrides, field_name: value})
+                    for label, dirname, overrides in variants for raw, value in values]
     seeds = list(seeds) if seeds else [cfg.seed]
     out = Path(out)
     planned, warm_ups, pending = [], {}, []
     for seed in seeds:
         sft = out / ("sft" if seed == cfg.seed else f"sft-seed{seed}")
-        for name in runs:
-            run_dir = out / name if len(seeds) == 1 else out / name / f"seed{seed}"
+        for name, dirname, overrides in variants:
+            run_dir = out / dirname if len(seeds) == 1 else out / dirname / f"seed{seed}"
             planned.append((name, seed, run_dir))
             if (run_dir / "result.json").exists():
                 continue
-            run_cfg = cfg.with_overrides(**overrides[name], seed=seed, out=str(run_dir))
+            run_cfg = cfg.with_overrides(**overrides, seed=seed, out=str(run_dir))
             label = name if len(seeds) == 1 else f"{name} seed {seed}"
             if jobs > 1:  # each seed's SFT start first, then the runs side by side
                 warm_ups.setdefault(seed, Job(f"SFT warm-up, seed {seed}", warm_up_policy,

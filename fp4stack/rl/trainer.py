@@ -42,14 +42,15 @@ from .rollout import Rollout, RolloutEngine
 from .schedule import RolloutSource
 
 SFT_FILE = "sft_policy.pt"
+# The RLConfig fields that determine the SFT warm-up's weights.
+SFT_KEYS = ("policy", "upcycle", "task", "task_options", "seed", "sft_steps", "sft_lr",
+            "sft_batch_size", "max_new_tokens")
 
 
 def sft_inputs(cfg: RLConfig, vocab_size: int | None) -> dict[str, Any]:
     """Everything that determines the SFT warm-up's weights: its cache is reused only when these
     match (a comparison's runs differ in rollout and trainer only, so they share it)."""
-    keys = ("policy", "upcycle", "task", "task_options", "seed", "sft_steps", "sft_lr",
-            "sft_batch_size", "max_new_tokens")
-    inputs = {k: getattr(cfg, k) for k in keys} | {"vocab_size": vocab_size}
+    inputs = {k: getattr(cfg, k) for k in SFT_KEYS} | {"vocab_size": vocab_size}
     return json.loads(json.dumps(inputs, sort_keys=True, default=str))  # as stored: plain JSON
 
 

@@ -14,6 +14,7 @@ import statistics
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -201,15 +202,28 @@ def warm_up_policy(cfg: RLConfig, cache_dir: str | os.PathLike) -> None:
     prepare_policy(cfg, task, device, Path(cache_dir))
 
 
-def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
-    device = resolve_device(cfg.device)
-    out = cfg.out_dir
-    make_output_dir(out)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+@dataclass
+class RunParts:
+    """What a GRPO run trains with: the task, the policy (the trainer's model) and its
+    tokenizer, the rollout engine on its device, the optimizer, and the KL reference (or None)."""
+
+    task: Task
+    model: nn.Module
+    tokenizer: lm.TokenizerLike
+    engine: RolloutEngine
+    engine_device: torch.device
+    opt: torch.optim.Optimizer
+    ref: nn.Module | None
+
+
+def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=print
+              ) -> RunParts:
+    """cfg's task, SFT-warmed policy (cached in cache_dir), rollout engine (BF16 on CUDA),
+    trainer recipe, AdamW and KL reference, as `run_rl` starts from; the engine not yet
+    refitted (`start_engine`)."""
     torch.manual_seed(cfg.seed)
     task = load_task(cfg.task, **cfg.task_options)
-    base, tokenizer = prepare_policy(cfg, task, device, Path(cache_dir) if cache_dir else out, log)
+    base, tokenizer = prepare_policy(cfg, task, device, cache_dir, log)
     engine_device = (device if cfg.engine_device == "same"
                      else resolve_device(cfg.engine_device))
     dtype = torch.bfloat16 if engine_device.type == "cuda" else None
@@ -228,6 +242,30 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     if cfg.trainer != "bf16":
         quantize_model(model, cfg.trainer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return RunParts(task, model, tokenizer, engine, engine_device, opt, ref)
+
+
+def start_engine(cfg: RLConfig, parts: RunParts, log=print) -> None:
+    """Refit the engine from the trainer's weights; with static compensation, fix its channels
+    from calibration_size task examples."""
+    parts.engine.sync(parts.model)
+    engine = parts.engine
+    if (cfg.compensation_mode == "static" and engine.recipe is not None
+            and engine.recipe.compensation is not None):
+        n = engine.calibrate(calibration_sequences(parts.task, parts.tokenizer,
+                                                   cfg.calibration_size, cfg.seed))
+        log(f"rl: compensation channels fixed from {n} task examples (static mode)")
+
+
+def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
+    device = resolve_device(cfg.device)
+    out = cfg.out_dir
+    make_output_dir(out)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    parts = build_run(cfg, device, Path(cache_dir) if cache_dir else out, log)
+    task, tokenizer, model, engine = parts.task, parts.tokenizer, parts.model, parts.engine
+    engine_device, opt, ref = parts.engine_device, parts.opt, parts.ref
     alarm = (MismatchAlarm("k3", cfg.alarm_k3, cfg.alarm) if cfg.alarm != "off" else None)
     logger = MetricsLogger(out, enabled=True, tensorboard=True)
     test = task.test_set()[:cfg.eval_size]
@@ -243,14 +281,9 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
         f"{', one step ahead' if cfg.off_policy else ''}), trainer {cfg.trainer} on {device}, "
         f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "
         f"samples, {cfg.steps} steps, out {out}")
-    engine.sync(model)
+    start_engine(cfg, parts, log)
     start_digest = weights_digest(model)
     log(f"rl: start weights {start_digest}")
-    if (cfg.compensation_mode == "static" and engine.recipe is not None
-            and engine.recipe.compensation is not None):
-        n = engine.calibrate(calibration_sequences(task, tokenizer, cfg.calibration_size,
-                                                   cfg.seed))
-        log(f"rl: compensation channels fixed from {n} task examples (static mode)")
     history = []
     pass1 = start_pass1 = evaluate(engine, task, test) if cfg.eval_every else None
     if pass1 is not None:

@@ -8,7 +8,8 @@ import torch
 from fp4stack import recipe
 from fp4stack.convert import calibrate, quantize_model
 from fp4stack.models.gpt import GPT, GPTConfig
-from fp4stack.nn.moe import Experts
+from fp4stack.nn import grouped_experts as ge
+from fp4stack.nn.moe import Experts, MoEBlock
 
 
 def tokens(seed=1):
@@ -64,3 +65,19 @@ def test_an_expert_without_tokens():
     indices[indices == 4] = 5  # expert 4 gets nothing
     out = experts(x, weights, indices)
     assert torch.equal(out, experts.loop_forward(x, weights, indices))
+
+
+def test_eager_reads_each_blocks_counts_on_the_host_once(monkeypatch):
+    # Forward and backward of both projections take the counts the block read once, so an
+    # eager step makes one device sync per MoE block, not four.
+    seen, real = [], ge._rows
+
+    def spy(counts, host_counts):
+        seen.append(host_counts is not None and host_counts == counts.tolist())
+        return real(counts, host_counts)
+
+    monkeypatch.setattr(ge, "_rows", spy)
+    model = model_for("nvfp4")
+    step(model, loop=False)
+    blocks = sum(isinstance(m, MoEBlock) for m in model.modules())
+    assert blocks > 0 and seen == [True] * (4 * blocks)

@@ -153,6 +153,11 @@ def test_grouped_expert_ops_pass_opcheck(name):
     dy = data((12, 48), seed=2)
     torch.library.opcheck(ge.grouped_linear_backward,
                           (dy, x.detach(), w.detach(), counts, None, seeds, key, torch.float32))
+    # Eager callers pass the counts read on the host already.
+    torch.library.opcheck(ge.grouped_linear, (x, w, counts, None, seeds, key, torch.float32,
+                                              counts.tolist()))
+    torch.library.opcheck(ge.grouped_linear_backward, (dy, x.detach(), w.detach(), counts, None,
+                                                       seeds, key, torch.float32, [5, 0, 7]))
 
 
 @pytest.mark.parametrize("hadamard", [False, True])

@@ -50,10 +50,11 @@ def stochastic(recipe: Recipe | None) -> bool:
         for n in _OPERANDS)
 
 
-def _rows(counts: torch.Tensor):
-    # (expert, row slice) of every expert with rows: the host read the op exists to hide.
+def _rows(counts: torch.Tensor, host_counts: list[int] | None):
+    # (expert, row slice) of every expert with rows: the host read the op exists to hide,
+    # unless an eager caller has read the counts already (host_counts).
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts.tolist() if host_counts is None else host_counts):
         if n:
             yield e, slice(start, start + n)
         start += n
@@ -77,13 +78,14 @@ def _forward_operands(x, w, specs, x_amax, seeds, e, dtype):
 @torch.library.custom_op("fp4stack::grouped_expert_linear", mutates_args=())
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                    x_amax: torch.Tensor | None, seeds: torch.Tensor | None, recipe: str,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, host_counts: list[int] | None = None) -> torch.Tensor:
     """y [N, O] in `dtype`: rows of x [N, K] sorted by expert, counts[e] of them expert e's,
     each block times weight[e]ᵀ (weight [E, O, K]) with the GEMM of `recipe` (a `recipe_key`);
-    x_amax [E] a static activation amax per expert, seeds [E, 6] int64 for stochastic specs."""
+    x_amax [E] a static activation amax per expert, seeds [E, 6] int64 for stochastic specs;
+    host_counts the counts as read on the host already (eager callers), or None."""
     specs = _specs(recipe)
     y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
-    for e, rows in _rows(counts):
+    for e, rows in _rows(counts, host_counts):
         if specs is None:
             y[rows] = x[rows].to(dtype) @ weight[e].to(dtype).t()
             continue
@@ -93,21 +95,22 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
 
 
 @grouped_linear.register_fake
-def _(x, weight, counts, x_amax, seeds, recipe, dtype):
+def _(x, weight, counts, x_amax, seeds, recipe, dtype, host_counts=None):
     return x.new_empty((x.shape[0], weight.shape[1]), dtype=dtype)
 
 
 @torch.library.custom_op("fp4stack::grouped_expert_linear_backward", mutates_args=())
 def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                             counts: torch.Tensor, x_amax: torch.Tensor | None,
-                            seeds: torch.Tensor | None, recipe: str,
-                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                            seeds: torch.Tensor | None, recipe: str, dtype: torch.dtype,
+                            host_counts: list[int] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [N, K] in x's dtype, dweight [E, O, K] in weight's): `_QuantLinearFn.backward` per
     expert, its saved operands re-quantized from x and weight with the forward's seeds."""
     specs = _specs(recipe)
     dx = torch.zeros_like(x)
     dw = torch.zeros_like(weight)
-    for e, rows in _rows(counts):
+    for e, rows in _rows(counts, host_counts):
         xe, we, dye = x[rows], weight[e], dy[rows]
         if specs is None:  # autograd's formulas for F.linear, as the plain loop gets them
             dx[rows] = dye.mm(we.to(dye.dtype)).to(x.dtype)
@@ -132,20 +135,21 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 
 
 @grouped_linear_backward.register_fake
-def _(dy, x, weight, counts, x_amax, seeds, recipe, dtype):
+def _(dy, x, weight, counts, x_amax, seeds, recipe, dtype, host_counts=None):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, counts, x_amax, seeds, recipe, dtype = inputs
+    x, weight, counts, x_amax, seeds, recipe, dtype, host_counts = inputs
     ctx.save_for_backward(x, weight, counts, x_amax, seeds)
-    ctx.recipe, ctx.dtype = recipe, dtype
+    ctx.recipe, ctx.dtype, ctx.host_counts = recipe, dtype, host_counts
 
 
 def _backward(ctx, dy):
     x, weight, counts, x_amax, seeds = ctx.saved_tensors
-    dx, dw = grouped_linear_backward(dy, x, weight, counts, x_amax, seeds, ctx.recipe, ctx.dtype)
-    return dx, dw, None, None, None, None, None
+    dx, dw = grouped_linear_backward(dy, x, weight, counts, x_amax, seeds, ctx.recipe, ctx.dtype,
+                                     ctx.host_counts)
+    return dx, dw, None, None, None, None, None, None
 
 
 grouped_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -188,9 +192,13 @@ def grouped_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     if stochastic(recipe):  # one draw for both projections, in the forward
         seeds = torch.randint(0, 2**62, (2, n_experts, len(_OPERANDS))).unbind(0)
     amax = (None, None) if x_amax is None else x_amax.unbind(0)
+    # Eager, the counts are read on the host once for the block's four GEMM ops (forward and
+    # backward of both projections), each a device sync otherwise; a compiled graph keeps the
+    # read inside the ops.
+    host = None if torch.compiler.is_compiling() else counts.tolist()
     # Each GEMM in the dtype quant_linear would use (autocast's), its output left in it.
-    h = grouped_linear(xs, stacks[0], counts, amax[0], seeds[0], key, _compute_dtype(xs))
+    h = grouped_linear(xs, stacks[0], counts, amax[0], seeds[0], key, _compute_dtype(xs), host)
     gate, up = h.chunk(2, dim=-1)
     a = act(gate) * up
-    y = grouped_linear(a, stacks[1], counts, amax[1], seeds[1], key, _compute_dtype(a))
+    y = grouped_linear(a, stacks[1], counts, amax[1], seeds[1], key, _compute_dtype(a), host)
     return combine(y, weights, order, k).to(x.dtype)

@@ -243,17 +243,19 @@ class Block(nn.Module):
                              cfg.norm_topk_prob) if cfg.moe else MLP(cfg.dim, cfg.ffn_hidden))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                mask: Tensor | None = None, real: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, real_rows: Tensor | None = None) -> Tensor:
+        """real_rows: with padding and grad, the flat [B*S] indices of the real tokens, over
+        which an MoE block's aux loss is recounted; None: every token counts."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         h = self.post_attention_layernorm(x)
-        # Without grad the aux loss is not needed: skip its recount, which syncs with the host.
-        if real is None or not isinstance(self.mlp, MoEBlock) or not torch.is_grad_enabled():
+        if real_rows is None or not isinstance(self.mlp, MoEBlock):
             return x + self.mlp(h)
-        return x + _moe_real_tokens_aux_loss(self.mlp, h, real)
+        return x + _moe_real_tokens_aux_loss(self.mlp, h, real_rows)
 
 
-def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real: Tensor) -> Tensor:
-    """moe(h) for h [B, S, D], its aux loss then recomputed over the real tokens (real [B, S])."""
+def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real_rows: Tensor) -> Tensor:
+    """moe(h) for h [B, S, D], its aux loss then recomputed over the real tokens (real_rows:
+    their flat indices, gathered once per forward, so the blocks make no host sync here)."""
     # Every token, pads included, goes through the block, so routing records keep their
     # [B, S, k] shape; a hook on the router catches its logits and choices to drop the pads.
     routed: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
@@ -263,10 +265,11 @@ def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real: Tensor) -> Tensor:
     finally:
         handle.remove()
     _, indices, logits = routed["out"]
-    keep = real.reshape(-1)
-    n_real = int(keep.sum())  # a host sync, as the expert loop already has one
-    if 0 < n_real < keep.numel():  # all pads: keep the block's own loss, finite if meaningless
-        moe.aux_loss = load_balance_loss(logits[keep], indices[keep], moe.router.n_experts)
+    # All pads: keep the block's own loss, finite if meaningless; no pads: it is the same.
+    if 0 < real_rows.numel() < indices.shape[0]:
+        moe.aux_loss = load_balance_loss(logits.index_select(0, real_rows),
+                                         indices.index_select(0, real_rows),
+                                         moe.router.n_experts)
     return y
 
 
@@ -297,7 +300,7 @@ class Transformer(nn.Module):
         if start + S > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + S} tokens exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
-        mask = real = None
+        mask = real_rows = None
         if attention_mask is None:
             positions = torch.arange(start, start + S, device=idx.device)
         else:
@@ -307,11 +310,15 @@ class Transformer(nn.Module):
             real_all = attention_mask.to(idx.device) != 0
             # A real token's position counts the real tokens before it; pads clamp to 0.
             positions = (real_all.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
-            mask, real = padded_causal_mask(real_all, S), real_all[:, start:]
+            mask = padded_causal_mask(real_all, S)
+            # The MoE aux loss counts real tokens only: their indices, found once (a host
+            # sync) for every block; without grad the aux loss is not computed.
+            if torch.is_grad_enabled() and any(isinstance(b.mlp, MoEBlock) for b in self.layers):
+                real_rows = real_all[:, start:].reshape(-1).nonzero().squeeze(1)
         cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real)
+            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real_rows)
         return self.norm(x)
 
     def forward_at(self, idx: Tensor, positions: Tensor, mask: Tensor, caches: list,

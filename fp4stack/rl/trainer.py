@@ -143,9 +143,14 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
     [B, L] (detached), per-token entropy [B, L] and the loss stats."""
     B = rollout.tokens.shape[0]
     n_tokens = rollout.response_mask.sum().clamp(min=1)
+    starts = range(0, B, cfg.micro_batch_size)
+    # Each micro-batch's share of the response tokens (the loss is a token-mean over the whole
+    # batch), read on the host once rather than once per micro-batch.
+    shares = torch.stack([rollout.response_mask[i:i + cfg.micro_batch_size].sum() / n_tokens
+                          for i in starts]).tolist()
     lps, ents, stats_sum = [], [], {}
     opt.zero_grad(set_to_none=True)
-    for start in range(0, B, cfg.micro_batch_size):
+    for start, share in zip(starts, shares, strict=True):
         rows = slice(start, start + cfg.micro_batch_size)
         tokens, mask = rollout.tokens[rows], rollout.mask[rows]
         resp = rollout.response_mask[rows]
@@ -164,10 +169,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
         loss, stats = grpo_loss(logp, old, advantages[rows], resp, clip_low=cfg.clip_low,
                                 clip_high=cfg.clip_high, weights=weights, logp_ref=logp_ref,
                                 kl_coef=cfg.kl_coef)
-        share = resp.sum() / n_tokens  # token-mean over the whole batch
         (loss * share).backward()
         for k, v in stats.items():
-            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * float(share)
+            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * share
         lps.append(old)
         ents.append(entropy.detach())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))

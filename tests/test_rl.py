@@ -394,3 +394,25 @@ def test_activation_error_of_a_sample_batch_every_n_steps(tmp_path):
     assert metrics["act_error"] == pytest.approx(
         sum(r["act_only"] for r in layers) / len(layers))
     assert 0 < metrics["gap_removed"] < 1
+
+
+def test_a_qat_w_update_quantizes_each_dense_weight_once_for_all_micro_batches(tmp_path,
+                                                                              monkeypatch):
+    from fp4stack.nn import operands
+    from fp4stack.nn.linear import QuantLinear
+    from fp4stack.rl.trainer import build_run, start_engine, train_step
+
+    cfg = tiny_config(tmp_path, sft_steps=2, micro_batch_size=3, prompts_per_step=4,
+                      group_size=2, rollout="quads", trainer="qat-w")
+    parts = build_run(cfg, torch.device("cpu"), tmp_path, log=lambda *a: None)
+    start_engine(cfg, parts, log=lambda *a: None)
+    examples = parts.task.train_examples(0)
+    prompts = [TOK.encode(next(examples).prompt) for _ in range(8)]
+    rollout = parts.engine.generate(prompts, torch.Generator().manual_seed(0))
+    made, real = [], operands.quantize_operand
+    monkeypatch.setattr(operands, "quantize_operand",
+                        lambda w, *a, **k: made.append(id(w)) or real(w, *a, **k))
+    train_step(parts.model, parts.opt, rollout, torch.randn(8), cfg, None)  # 3 micro-batches
+    dense = {id(m.weight) for m in parts.model.modules() if isinstance(m, QuantLinear)}
+    # One Q(W) per weight (it serves the forward and the dgrad), not one per micro-batch.
+    assert dense and all(made.count(w) == 1 for w in dense)

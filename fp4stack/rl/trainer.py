@@ -26,6 +26,7 @@ from ..data.tasks import Example, Task, load_task, pass_at_k
 from ..device import resolve_device
 from ..files import make_output_dir
 from ..nn.moe import replay_routing
+from ..nn.operands import weight_operands_once
 from ..train.metrics import MetricsLogger
 from . import policy as lm
 from .config import RLConfig
@@ -150,30 +151,32 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
                           for i in starts]).tolist()
     lps, ents, stats_sum = [], [], {}
     opt.zero_grad(set_to_none=True)
-    for start, share in zip(starts, shares, strict=True):
-        rows = slice(start, start + cfg.micro_batch_size)
-        tokens, mask = rollout.tokens[rows], rollout.mask[rows]
-        resp = rollout.response_mask[rows]
-        routing = _slice_routing(rollout.routing if cfg.routing_replay else None, rows)
-        with (replay_routing(model, routing) if routing else nullcontext(),
-              trainer_autocast(cfg, tokens.device)):
-            logp, entropy = lm.token_logprobs(model, tokens, mask, cfg.temperature or 1.0,
-                                              entropy=True)
-        old = logp.detach()
-        weights = rollout_correction(old, rollout.logprobs[rows], resp, cfg.correction,
-                                     cfg.correction_cap)
-        logp_ref = None
-        if ref is not None:
-            with torch.no_grad(), trainer_autocast(cfg, tokens.device):
-                logp_ref = lm.token_logprobs(ref, tokens, mask, cfg.temperature or 1.0)
-        loss, stats = grpo_loss(logp, old, advantages[rows], resp, clip_low=cfg.clip_low,
-                                clip_high=cfg.clip_high, weights=weights, logp_ref=logp_ref,
-                                kl_coef=cfg.kl_coef)
-        (loss * share).backward()
-        for k, v in stats.items():
-            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * share
-        lps.append(old)
-        ents.append(entropy.detach())
+    # A qat-w trainer's micro-batches read the same weights: each is quantized once.
+    with weight_operands_once():
+        for start, share in zip(starts, shares, strict=True):
+            rows = slice(start, start + cfg.micro_batch_size)
+            tokens, mask = rollout.tokens[rows], rollout.mask[rows]
+            resp = rollout.response_mask[rows]
+            routing = _slice_routing(rollout.routing if cfg.routing_replay else None, rows)
+            with (replay_routing(model, routing) if routing else nullcontext(),
+                  trainer_autocast(cfg, tokens.device)):
+                logp, entropy = lm.token_logprobs(model, tokens, mask, cfg.temperature or 1.0,
+                                                  entropy=True)
+            old = logp.detach()
+            weights = rollout_correction(old, rollout.logprobs[rows], resp, cfg.correction,
+                                         cfg.correction_cap)
+            logp_ref = None
+            if ref is not None:
+                with torch.no_grad(), trainer_autocast(cfg, tokens.device):
+                    logp_ref = lm.token_logprobs(ref, tokens, mask, cfg.temperature or 1.0)
+            loss, stats = grpo_loss(logp, old, advantages[rows], resp, clip_low=cfg.clip_low,
+                                    clip_high=cfg.clip_high, weights=weights, logp_ref=logp_ref,
+                                    kl_coef=cfg.kl_coef)
+            (loss * share).backward()
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * share
+            lps.append(old)
+            ents.append(entropy.detach())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
     if torch.isfinite(norm):
         opt.step()

@@ -74,6 +74,7 @@ def parse_run(name: str) -> dict[str, Any]:
 # others make the SFT start, which a comparison's runs share (trainer.sft_inputs).
 _NOT_SWEPT = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed",
               "out", "device")
+_BOOLS = {"true": True, "false": False}
 
 
 def parse_sweep(text: str, cfg: RLConfig) -> tuple[str, list[tuple[str, Any]]]:
@@ -98,7 +99,7 @@ def parse_sweep(text: str, cfg: RLConfig) -> tuple[str, list[tuple[str, Any]]]:
     parsed = []
     for raw in (v.strip() for v in values.split(",")):
         try:
-            value = {bool: lambda v: {"true": True, "false": False}[v.lower()]}.get(kind, kind)(raw)
+            value = _BOOLS[raw.lower()] if kind is bool else kind(raw)
         except (KeyError, ValueError):
             raise ValueError(f"sweep: {field_name}={raw!r} is not of type {kind.__name__}"
                              ) from None

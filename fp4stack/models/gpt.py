@@ -244,8 +244,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 mask: Tensor | None = None, real_rows: Tensor | None = None) -> Tensor:
-        """real_rows: with padding and grad, the flat [B*S] indices of the real tokens, over
-        which an MoE block's aux loss is recounted; None: every token counts."""
+        """real_rows: the flat indices of the real tokens the MoE aux loss counts (None: all)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         h = self.post_attention_layernorm(x)
         if real_rows is None or not isinstance(self.mlp, MoEBlock):
@@ -254,8 +253,7 @@ class Block(nn.Module):
 
 
 def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real_rows: Tensor) -> Tensor:
-    """moe(h) for h [B, S, D], its aux loss then recomputed over the real tokens (real_rows:
-    their flat indices, gathered once per forward, so the blocks make no host sync here)."""
+    """moe(h) for h [B, S, D], its aux loss recomputed over the real tokens (flat real_rows)."""
     # Every token, pads included, goes through the block, so routing records keep their
     # [B, S, k] shape; a hook on the router catches its logits and choices to drop the pads.
     routed: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
@@ -267,9 +265,8 @@ def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real_rows: Tensor) -> Te
     _, indices, logits = routed["out"]
     # All pads: keep the block's own loss, finite if meaningless; no pads: it is the same.
     if 0 < real_rows.numel() < indices.shape[0]:
-        moe.aux_loss = load_balance_loss(logits.index_select(0, real_rows),
-                                         indices.index_select(0, real_rows),
-                                         moe.router.n_experts)
+        keep = (logits.index_select(0, real_rows), indices.index_select(0, real_rows))
+        moe.aux_loss = load_balance_loss(*keep, moe.router.n_experts)
     return y
 
 
@@ -311,8 +308,7 @@ class Transformer(nn.Module):
             # A real token's position counts the real tokens before it; pads clamp to 0.
             positions = (real_all.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
             mask = padded_causal_mask(real_all, S)
-            # The MoE aux loss counts real tokens only: their indices, found once (a host
-            # sync) for every block; without grad the aux loss is not computed.
+            # The real tokens the MoE aux loss counts, found once (a host sync) for all blocks.
             if torch.is_grad_enabled() and any(isinstance(b.mlp, MoEBlock) for b in self.layers):
                 real_rows = real_all[:, start:].reshape(-1).nonzero().squeeze(1)
         cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)

@@ -50,7 +50,7 @@ def stochastic(recipe: Recipe | None) -> bool:
         for n in _OPERANDS)
 
 
-def _rows(counts: torch.Tensor, host_counts: list[int] | None):
+def _rows(counts: torch.Tensor, host_counts: list[int] | None = None):
     # (expert, row slice) of every expert with rows: the host read the op exists to hide,
     # unless an eager caller has read the counts already (host_counts).
     start = 0

@@ -133,8 +133,8 @@ def format_report(steps: list[dict], updates: list[dict]) -> str:
               "| micro-batch | trainer update ms | GPU kernel ms | GPU busy | launches | aten calls"
               " | host syncs | peak GiB |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    dash = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for u in updates:
-        dash = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append(f"| {u['micro_batch_size']} | {u['wall_ms']:.1f} | "
                      f"{dash(u['gpu_kernel_ms'], '.1f')} | {dash(u['gpu_busy'], '.0%')} | "
                      f"{u['launches']} | {u['aten_calls']} | {u['host_syncs']} | "

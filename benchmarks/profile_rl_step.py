@@ -31,7 +31,13 @@ from fp4stack.rl.config import load_rl_config
 from fp4stack.rl.grpo_loss import group_advantages
 from fp4stack.rl.metrics import mismatch_metrics
 from fp4stack.rl.policies import encode_example
-from fp4stack.rl.trainer import build_run, start_engine, train_step
+from fp4stack.rl.trainer import (
+    build_run,
+    draw_group,
+    rollout_rewards,
+    start_engine,
+    train_step,
+)
 
 PHASES = ("generate", "score", "train", "metrics", "refit")
 
@@ -60,18 +66,14 @@ def time_steps(cfg, parts, device: torch.device, steps: int):
     generator = torch.Generator(device=parts.engine_device).manual_seed(cfg.seed)
     rows = []
     for _ in range(steps + 1):
-        group = [e for e in (next(stream) for _ in range(cfg.prompts_per_step))
-                 for _ in range(cfg.group_size)]
+        group = draw_group(stream, cfg)
         prompts = [encode_example(parts.tokenizer, e.prompt)[0] for e in group]
         t: dict[str, float] = {}
         with _phase(t, "generate", devices):
             rollout = parts.engine.generate(prompts, generator,
                                             record=cfg.routing_replay).to(device)
         with _phase(t, "score", devices):
-            texts = [parts.tokenizer.decode(r) for r in rollout.responses()]
-            rewards = torch.tensor([parts.task.score(x, e) for x, e in zip(texts, group,
-                                                                          strict=True)],
-                                   device=device)
+            rewards = rollout_rewards(parts.task, parts.tokenizer, rollout, group)
             adv = group_advantages(rewards, cfg.group_size)
         with _phase(t, "train", devices):
             logp, _, _ = train_step(parts.model, parts.opt, rollout, adv, cfg, parts.ref)

@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,13 +256,29 @@ def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=p
 def start_engine(cfg: RLConfig, parts: RunParts, log=print) -> None:
     """Refit the engine from the trainer's weights; with static compensation, fix its channels
     from calibration_size task examples."""
-    parts.engine.sync(parts.model)
     engine = parts.engine
+    engine.sync(parts.model)
     if (cfg.compensation_mode == "static" and engine.recipe is not None
             and engine.recipe.compensation is not None):
         n = engine.calibrate(calibration_sequences(parts.task, parts.tokenizer,
                                                    cfg.calibration_size, cfg.seed))
         log(f"rl: compensation channels fixed from {n} task examples (static mode)")
+
+
+def draw_group(stream: Iterator[Example], cfg: RLConfig) -> list[Example]:
+    """The next step's examples, one per row: each of prompts_per_step prompts group_size
+    times."""
+    return [e for e in (next(stream) for _ in range(cfg.prompts_per_step))
+            for _ in range(cfg.group_size)]
+
+
+def rollout_rewards(task: Task, tokenizer: lm.TokenizerLike, rollout: Rollout,
+                    group: list[Example]) -> torch.Tensor:
+    """Each row's reward [B], on the rollout's device: its decoded response scored against
+    its example."""
+    texts = [tokenizer.decode(r) for r in rollout.responses()]
+    return torch.tensor([task.score(t, e) for t, e in zip(texts, group, strict=True)],
+                        device=rollout.tokens.device)
 
 
 def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -279,8 +296,7 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     stream = task.train_examples(cfg.seed)
     generator = torch.Generator(device=engine_device).manual_seed(cfg.seed)
     source = RolloutSource(
-        engine, lambda: [e for e in (next(stream) for _ in range(cfg.prompts_per_step))
-                         for _ in range(cfg.group_size)],
+        engine, lambda: draw_group(stream, cfg),
         lambda e: encode_example(tokenizer, e.prompt)[0], generator, device,
         record=cfg.routing_replay, off_policy=cfg.off_policy)
     kind = "fast" if isinstance(engine, FastRolloutEngine) else "reference"
@@ -307,9 +323,7 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                 cfg.max_minutes > 0 and t0 - start + step_s > 60 * cfg.max_minutes)
             batch = source.next(prefetch=not last)
             group, rollout = batch.group, batch.rollout
-            texts = [tokenizer.decode(r) for r in rollout.responses()]
-            rewards = torch.tensor([task.score(t, e) for t, e in zip(texts, group, strict=True)],
-                                   device=device)
+            rewards = rollout_rewards(task, tokenizer, rollout, group)
             adv = group_advantages(rewards, cfg.group_size)
             t_train = time.perf_counter()
             lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref)

@@ -3,12 +3,14 @@
     fp4stack rl --config configs/rl/tiny.yaml --rollout quads --trainer qat-w --steps 50
     fp4stack rl-compare --config configs/rl/tiny.yaml --out runs/rl-compare/tiny
     fp4stack rl-compare --config configs/rl/tiny.yaml --runs bf16 --sweep lr=1e-4,3e-4
+    fp4stack rl-compare --report-from runs/session1,runs/session2 --out runs/rl-compare/all
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..train.command import add_jobs_argument
 
@@ -66,6 +68,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="repeat every run once per value of one config field, from the same "
                         "SFT start (e.g. lr=1e-6,3e-6 or kl_coef=0,0.001)")
     p.add_argument("--out", default="runs/rl-compare", help="output directory")
+    p.add_argument("--report-from", metavar="DIR,DIR,...",
+                   help="train nothing: write the report (table, seed means, plot) into --out "
+                        "from the finished runs under these directories, e.g. one comparison's "
+                        "arms trained in several sessions; runs of a seed that start from "
+                        "different weights are flagged (exit status 1)")
     add_jobs_argument(p)
     p.add_argument("--verbose", action="store_true",
                    help="print every run's log (SFT, each step, each mismatch alarm); default: "
@@ -105,10 +112,26 @@ def run_rl_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_from(args: argparse.Namespace) -> int:
+    from .compare_report import collect_rows, start_conflicts, write_report
+
+    try:
+        rows = collect_rows([d for d in args.report_from.split(",") if d])
+        write_report(rows, Path(args.out))
+    except (ValueError, FileNotFoundError) as e:
+        return _fail("rl-compare", e)
+    print((Path(args.out) / "rl_compare.md").read_text().rstrip())
+    print(f"\nwritten: {args.out}/rl_compare.md, rl_compare.json, rl_compare.png")
+    return 1 if start_conflicts(rows) else 0
+
+
 def run_compare_command(args: argparse.Namespace) -> int:
     from ..parallel_runs import RunsFailedError
-    from .compare import format_table, run_rl_comparison
+    from .compare import run_rl_comparison
+    from .compare_report import format_table
 
+    if args.report_from:
+        return _report_from(args)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
         rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out,

@@ -10,12 +10,13 @@ bf16, fp8, nvfp4, nvfp4+tis, quads, quads@0.5, quads@0.5:static, w4a16 and nvfp4
 are all runs. With several seeds each run repeats per seed from that seed's own SFT start
 (out/sft, out/sft-seed<N>); a sweep (`lr=1e-6,3e-6`) repeats each run per value. Writes
 DIR/rl_compare.md (pass@1 at the start and at the end, final reward, k3, mean and max |dlogp|),
-rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step).
+rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step), with a
+table of the means over the seeds when there are several (compare_report.py, which also
+merges the arms of one comparison trained in several sessions: `--report-from`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -24,9 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..files import make_output_dir
 from ..parallel_runs import LOG_NAME, Job, run_jobs
-from ..train.metrics import read_metrics
+from .compare_report import write_report
 from .config import RLConfig
 from .trainer import run_rl, warm_up_policy
 
@@ -34,6 +34,12 @@ DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
 _RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(:(?P<mode>static|dynamic))?"
                   r"(/(?P<trainer>[a-z0-9-]+))?(?P<tis>\+tis)?")
 _QAT_ROLLOUTS = ("quads", "quads-token", "w4a16")  # weight-quantizing rollouts: qat-w trainer
+
+
+def default_trainer(rollout: str) -> str:
+    """The trainer of a run that names none: qat-w for the weight-quantizing rollouts, else
+    bf16."""
+    return "qat-w" if rollout in _QAT_ROLLOUTS else "bf16"
 
 
 def parse_run(name: str) -> dict[str, Any]:
@@ -49,7 +55,7 @@ def parse_run(name: str) -> dict[str, Any]:
     rollout = m["rollout"]
     if rollout not in PRECISIONS:
         raise ValueError(f"run {name!r}: rollout {rollout!r} is not one of {list(PRECISIONS)}")
-    trainer = m["trainer"] or ("qat-w" if rollout in _QAT_ROLLOUTS else "bf16")
+    trainer = m["trainer"] or default_trainer(rollout)
     if trainer not in TRAINERS:
         raise ValueError(f"run {name!r}: trainer {trainer!r} is not one of {list(TRAINERS)}")
     overrides = {"rollout": rollout, "trainer": trainer,
@@ -218,66 +224,3 @@ class RunProgress:
         if self.alarms:
             line += f"; mismatch alarm (k3 > {alarm_k3:g}) at {self.alarms} of them"
         return line
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    # The median beside the mean: one spiking step can carry a run's mean k3. The per-step
-    # max |dlogp| is the QUADS paper's measure of the mismatch.
-    def num(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
-    lines = ["| run | seed | rollout | trainer | start pass@1 | final pass@1 | final reward | "
-             "mean k3 | median k3 | max k3 | mean max abs dlogp | mean abs dlogp |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['run']} | {r.get('seed', '')} | {r['rollout']} | {r['trainer']} | "
-            f"{num(r.get('start_pass_at_1'), '.3f')} | {num(r.get('final_pass_at_1'), '.3f')} | "
-            f"{r['final_reward']:.3f} | {r['k3_mean']:.2e} | {num(r.get('k3_median'), '.2e')} | "
-            f"{r['k3_max']:.2e} | {num(r.get('dlogp_max_mean'), '.3f')} | "
-            f"{num(r.get('dlogp_mean'), '.4f')} |")
-    return "\n".join(lines)
-
-
-def write_report(rows: list[dict[str, Any]], out: Path) -> None:
-    make_output_dir(out)
-    (out / "rl_compare.md").write_text(format_table(rows) + "\n")
-    (out / "rl_compare.json").write_text(json.dumps(rows, indent=1))
-    with contextlib.suppress(ImportError):  # matplotlib is optional
-        plot(rows, out / "rl_compare.png")
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """k3 and max |dlogp| per step (log scale) and reward per step (pass@1 as markers), one
-    colour per run (its seeds in that colour)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (kx, dx, rx) = plt.subplots(1, 3, figsize=(18, 4.5))
-    colours: dict[str, str] = {}
-    for r in rows:
-        label = r["run"] if r["run"] not in colours else None  # a run's seeds share one entry
-        colour = colours.setdefault(r["run"], f"C{len(colours) % 10}")
-        metrics = [m for m in read_metrics(r["out"]) if "k3" in m]
-        steps = [m["step"] for m in metrics]
-        kx.plot(steps, [max(float(m["k3"]), 1e-12) for m in metrics], color=colour, label=label)
-        dx.plot(steps, [max(float(m["logp_diff_max"]), 1e-12) for m in metrics], color=colour,
-                label=label)
-        rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=label)
-        evals = [(m["step"], m["pass_at_1"]) for m in read_metrics(r["out"]) if "pass_at_1" in m]
-        if evals:
-            rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
-    kx.set_yscale("log")
-    dx.set_yscale("log")
-    kx.set_title("trainer-rollout mismatch k3 per step (0 drawn at 1e-12)")
-    dx.set_title("max |log p_train - log p_rollout| per step")
-    rx.set_title("reward per step (line), greedy pass@1 (markers)")
-    for ax in (kx, dx, rx):
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -1,0 +1,202 @@
+"""The report of an RL comparison: a row per run, a row per run over its seeds, a plot per step.
+
+`rl-compare` writes it for the runs it trained. `rl-compare --report-from DIR,...` writes it for
+finished runs found under several directories, e.g. the arms of one comparison trained in
+different sessions or on different machines: each run is named from its result.json and
+config.json (`run_name`, plus the config fields in which it differs from the other runs), and
+runs of one seed that do not start from the same weights are flagged, since they are not one
+comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..files import make_output_dir
+from ..train.metrics import read_metrics
+
+RESULT_FILE = "result.json"
+CONFIG_FILE = "config.json"
+# Config fields that a run's name states, that every run of a comparison differs in, or that
+# only say when a run stops (its steps are in the table).
+_NAMED = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed", "out",
+          "device", "steps", "max_minutes")
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A markdown row per run and seed."""
+    # The median beside the mean: one spiking step can carry a run's mean k3. The per-step
+    # max |dlogp| is the QUADS paper's measure of the mismatch.
+    lines = ["| run | seed | rollout | trainer | start pass@1 | final pass@1 | final reward | "
+             "mean k3 | median k3 | max k3 | mean max abs dlogp | mean abs dlogp |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {r.get('seed', '')} | {r['rollout']} | {r['trainer']} | "
+            f"{_num(r.get('start_pass_at_1'), '.3f')} | {_num(r.get('final_pass_at_1'), '.3f')}"
+            f" | {r['final_reward']:.3f} | {r['k3_mean']:.2e} | "
+            f"{_num(r.get('k3_median'), '.2e')} | {r['k3_max']:.2e} | "
+            f"{_num(r.get('dlogp_max_mean'), '.3f')} | {_num(r.get('dlogp_mean'), '.4f')} |")
+    return "\n".join(lines)
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per run over its seeds: the mean (and sample standard deviation) of the final
+    pass@1 and of its change from the start, and the means of k3 and of the per-step max
+    |dlogp|. Runs without pass@1 (eval_every 0) have None there."""
+    out = []
+    for name in dict.fromkeys(r["run"] for r in rows):
+        own = [r for r in rows if r["run"] == name]
+        evaluated = [r for r in own if r.get("final_pass_at_1") is not None]
+        row: dict[str, Any] = {"run": name, "seeds": len(own),
+                               "steps": min(r["steps"] for r in own)}
+        row["pass_at_1"], row["pass_at_1_sd"] = (
+            _mean_sd([r["final_pass_at_1"] for r in evaluated]) if evaluated else (None, None))
+        row["pass_at_1_gain"] = (statistics.fmean(
+            r["final_pass_at_1"] - r["start_pass_at_1"] for r in evaluated) if evaluated else None)
+        row["k3_mean"] = statistics.fmean(r["k3_mean"] for r in own)
+        row["dlogp_max_mean"] = (statistics.fmean(r["dlogp_max_mean"] for r in own)
+                                 if all("dlogp_max_mean" in r for r in own) else None)
+        out.append(row)
+    return out
+
+
+def format_seed_table(summary: list[dict[str, Any]]) -> str:
+    """The seed_summary as a markdown table."""
+    lines = ["| run | seeds | steps | final pass@1 (mean) | sd | change from start | mean k3 | "
+             "mean max abs dlogp |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summary:
+        lines.append(
+            f"| {s['run']} | {s['seeds']} | {s['steps']} | {_num(s['pass_at_1'], '.3f')} | "
+            f"{_num(s['pass_at_1_sd'], '.3f')} | {_num(s['pass_at_1_gain'], '+.3f')} | "
+            f"{s['k3_mean']:.2e} | {_num(s['dlogp_max_mean'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def start_conflicts(rows: list[dict[str, Any]]) -> list[str]:
+    """A sentence per seed whose runs start from different weights (their `start_weights`
+    digests differ): such runs are not one comparison."""
+    said = []
+    for seed in dict.fromkeys(r.get("seed") for r in rows):
+        starts: dict[str, list[str]] = {}
+        for r in rows:
+            if r.get("seed") == seed and r.get("start_weights"):
+                starts.setdefault(r["start_weights"], []).append(r["run"])
+        if len(starts) > 1:
+            said.append(f"seed {seed}: the runs start from {len(starts)} different weights (" +
+                        "; ".join(f"{d}: {', '.join(runs)}" for d, runs in starts.items()) + ")")
+    return said
+
+
+def write_report(rows: list[dict[str, Any]], out: Path) -> None:
+    """DIR/rl_compare.md (the tables, and any start conflicts), rl_compare.json (the rows) and,
+    with matplotlib installed, rl_compare.png."""
+    make_output_dir(out)
+    text = format_table(rows) + "\n"
+    if len(rows) > len({r["run"] for r in rows}):  # some run has several seeds
+        text += "\nOver the seeds:\n\n" + format_seed_table(seed_summary(rows)) + "\n"
+    conflicts = start_conflicts(rows)
+    if conflicts:
+        text += "\nNot one start: " + "; ".join(conflicts) + ".\n"
+    (out / "rl_compare.md").write_text(text)
+    (out / "rl_compare.json").write_text(json.dumps(rows, indent=1))
+    with contextlib.suppress(ImportError):  # matplotlib is optional
+        plot(rows, out / "rl_compare.png")
+
+
+def run_name(result: dict[str, Any]) -> str:
+    """The `rl-compare` name of a finished run (compare.parse_run's inverse) from its
+    result.json: e.g. bf16, nvfp4+tis, quads@0.5:static, nvfp4/qat-w."""
+    from .compare import default_trainer
+
+    rollout = result["rollout"]
+    name = rollout
+    if rollout.startswith("quads"):
+        name += f"@{result['compensation']:g}"
+        if result.get("compensation_mode") == "static":
+            name += ":static"
+    if result["trainer"] != default_trainer(rollout):
+        name += "/" + result["trainer"]
+    if result.get("correction") == "token-tis":
+        name += "+tis"
+    return name
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) or v is None
+
+
+def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """A row per finished run (a directory with result.json) under `dirs`, named by `run_name`
+    plus each scalar config field in which the runs differ (as a sweep names them: "bf16
+    lr=2e-06"), its "out" the directory where it was found. FileNotFoundError when none is."""
+    found = []
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise FileNotFoundError(f"report: {d} is not a directory")
+        for path in sorted(Path(d).rglob(RESULT_FILE)):
+            config = path.parent / CONFIG_FILE
+            cfg = json.loads(config.read_text()) if config.exists() else {}
+            found.append((json.loads(path.read_text()), cfg, path.parent))
+    if not found:
+        raise FileNotFoundError(f"report: no finished run ({RESULT_FILE}) under "
+                                f"{', '.join(map(str, dirs))}")
+    keys = dict.fromkeys(k for _, cfg, _ in found for k, v in cfg.items()
+                         if k not in _NAMED and _scalar(v))
+    varying = [k for k in keys if len({json.dumps(cfg.get(k)) for _, cfg, _ in found}) > 1]
+    rows = []
+    for result, cfg, where in found:
+        label = " ".join([run_name(result)] + [f"{k}={cfg.get(k)}" for k in varying])
+        rows.append({"run": label, **result, "seed": result.get("seed"), "out": str(where)})
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["run"] for r in rows))}
+    return sorted(rows, key=lambda r: (order[r["run"]], r["seed"] or 0))
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """k3 and max |dlogp| per step (log scale) and reward per step (pass@1 as markers), one
+    colour per run (its seeds in that colour)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (kx, dx, rx) = plt.subplots(1, 3, figsize=(18, 4.5))
+    colours: dict[str, str] = {}
+    for r in rows:
+        label = r["run"] if r["run"] not in colours else None  # a run's seeds share one entry
+        colour = colours.setdefault(r["run"], f"C{len(colours) % 10}")
+        records = read_metrics(r["out"])
+        metrics = [m for m in records if "k3" in m]
+        steps = [m["step"] for m in metrics]
+        kx.plot(steps, [max(float(m["k3"]), 1e-12) for m in metrics], color=colour, label=label)
+        dx.plot(steps, [max(float(m["logp_diff_max"]), 1e-12) for m in metrics], color=colour,
+                label=label)
+        rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=label)
+        evals = [(m["step"], m["pass_at_1"]) for m in records if "pass_at_1" in m]
+        if evals:
+            rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
+    kx.set_yscale("log")
+    dx.set_yscale("log")
+    kx.set_title("trainer-rollout mismatch k3 per step (0 drawn at 1e-12)")
+    dx.set_title("max |log p_train - log p_rollout| per step")
+    rx.set_title("reward per step (line), greedy pass@1 (markers)")
+    for ax in (kx, dx, rx):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

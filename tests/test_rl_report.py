@@ -1,0 +1,85 @@
+"""`rl-compare --report-from`: one report from the arms of a comparison trained apart."""
+
+import json
+import statistics
+
+import pytest
+
+from fp4stack.cli import main
+from fp4stack.rl.compare import parse_run, run_rl_comparison
+from fp4stack.rl.compare_report import collect_rows, run_name, seed_summary
+from fp4stack.rl.config import RLConfig
+
+
+def _tiny(**kw) -> RLConfig:
+    base = dict(policy={"kind": "gpt", "preset": "tiny-moe", "moe_hidden": 64},
+                task_options={"level": 1, "n_test": 4}, sft_steps=4, steps=2,
+                prompts_per_step=2, group_size=2, max_new_tokens=3, eval_every=1, device="cpu")
+    return RLConfig(**{**base, **kw})
+
+
+def _quiet(*_):
+    pass
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "nvfp4", "nvfp4+tis", "w4a16", "nvfp4-token",
+                                  "quads@0.5", "quads@0.125:static", "quads-token@1",
+                                  "nvfp4/qat-w", "w4a16/bf16", "quads@0.25/bf16+tis"])
+def test_run_name_inverts_parse_run(name):
+    result = {"compensation": 0.05, "compensation_mode": "dynamic", **parse_run(name)}
+    assert run_name(result) == name
+    assert parse_run(run_name(result)) == parse_run(name)
+
+
+def test_arms_trained_apart_make_one_report(tmp_path, capsys):
+    cfg = _tiny()
+    first = run_rl_comparison(cfg, ["bf16"], tmp_path / "a", log=_quiet, verbose=False,
+                              seeds=[0, 1])
+    second = run_rl_comparison(cfg, ["quads@0.5"], tmp_path / "b", log=_quiet, verbose=False)
+    out = tmp_path / "all"
+    rc = main(["rl-compare", "--report-from", f"{tmp_path / 'a'},{tmp_path / 'b'}",
+               "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = json.loads((out / "rl_compare.json").read_text())
+    assert [(r["run"], r["seed"]) for r in rows] == [("bf16", 0), ("bf16", 1), ("quads@0.5", 0)]
+    # Found where they are, with the numbers their own comparisons reported.
+    assert [r["final_pass_at_1"] for r in rows] == [
+        r["final_pass_at_1"] for r in first + second]
+    assert rows[2]["out"] == str(tmp_path / "b" / "quads@0.5")
+    summary = {s["run"]: s for s in seed_summary(rows)}
+    assert summary["bf16"]["seeds"] == 2
+    assert summary["bf16"]["pass_at_1"] == pytest.approx(
+        statistics.fmean(r["final_pass_at_1"] for r in first))
+    assert summary["bf16"]["pass_at_1_gain"] == pytest.approx(statistics.fmean(
+        r["final_pass_at_1"] - r["start_pass_at_1"] for r in first))
+    assert summary["quads@0.5"]["pass_at_1_sd"] is None  # one seed
+    text = (out / "rl_compare.md").read_text()
+    assert "Over the seeds:" in text and "| bf16 | 2 | 2 |" in text
+    assert "Not one start" not in text and "| quads@0.5 | 0 | quads | qat-w |" in printed
+    pytest.importorskip("matplotlib")
+    assert (out / "rl_compare.png").stat().st_size > 0
+
+
+def test_runs_that_differ_in_a_field_are_named_by_it_and_other_starts_are_flagged(tmp_path,
+                                                                                   capsys):
+    run_rl_comparison(_tiny(), ["bf16"], tmp_path / "a", log=_quiet, verbose=False)
+    run_rl_comparison(_tiny(sft_steps=6, lr=3e-4), ["bf16"], tmp_path / "b", log=_quiet,
+                      verbose=False)
+    rows = collect_rows([tmp_path / "a", tmp_path / "b"])
+    assert [r["run"] for r in rows] == ["bf16 sft_steps=4 lr=0.0001", "bf16 sft_steps=6 lr=0.0003"]
+    rc = main(["rl-compare", "--report-from", f"{tmp_path / 'a'},{tmp_path / 'b'}",
+               "--out", str(tmp_path / "all")])
+    assert rc == 1
+    assert "Not one start: seed 0: the runs start from 2 different weights" in \
+        capsys.readouterr().out
+
+
+def test_report_errors_name_the_directory(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for dirs, match in ((tmp_path / "missing", "is not a directory"),
+                        (tmp_path / "empty", "no finished run")):
+        assert main(["rl-compare", "--report-from", str(dirs), "--out",
+                     str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert match in err and str(dirs) in err

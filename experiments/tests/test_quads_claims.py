@@ -1,0 +1,48 @@
+"""experiments/quads_claims.py: the claims computed from a comparison's rows, over seeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import quads_claims
+
+
+def row(run: str, seed: int, start: float, final: float, k3: float, dlogp: float) -> dict:
+    return {"run": run, "seed": seed, "steps": 300, "start_pass_at_1": start,
+            "final_pass_at_1": final, "k3_mean": k3, "dlogp_max_mean": dlogp}
+
+
+ROWS = [row("bf16", 0, 0.40, 0.60, 0.0, 0.70), row("bf16", 1, 0.40, 0.64, 0.0, 0.72),
+        row("nvfp4", 0, 0.40, 0.50, 0.9, 1.30), row("nvfp4", 1, 0.40, 0.56, 0.7, 1.20),
+        row("quads@0.5", 0, 0.40, 0.615, 0.2, 0.90), row("quads@0.25", 0, 0.40, 0.55, 0.3, 1.0)]
+
+
+def test_claims_average_the_seeds_and_pick_the_best_quads_arm():
+    table = quads_claims.claims(ROWS)
+    assert [c["holds"] for c in table] == [True, True, True, True]
+    assert table[0]["here"] == "9.0 points below"  # (0.62 - 0.53) over the two seeds
+    assert table[1]["claim"].startswith("quads@0.5 ")  # 0.615 beats quads@0.25's 0.55
+    assert table[1]["here"] == "0.5 points below"
+    assert table[2]["here"] == "0.710 < 0.900 < 1.250"
+    assert table[3]["here"] == "4.00x below"  # mean k3 0.8 against 0.2
+
+
+def test_a_named_arm_and_claims_that_fail():
+    table = quads_claims.claims(ROWS, quads="quads@0.25")
+    assert [c["holds"] for c in table] == [True, False, True, False]
+    assert table[1]["here"] == "7.0 points below"
+
+
+def test_missing_runs_are_named(tmp_path, capsys):
+    with pytest.raises(KeyError, match="no 'nvfp4' run"):
+        quads_claims.claims([r for r in ROWS if r["run"] != "nvfp4"])
+    with pytest.raises(KeyError, match="no 'quads@1' run"):
+        quads_claims.claims(ROWS, quads="quads@1")
+    path = tmp_path / "rl_compare.json"
+    path.write_text(json.dumps(ROWS[:2]))
+    assert quads_claims.main([str(path)]) == 2
+    assert "no 'nvfp4' run" in capsys.readouterr().err
+    path.write_text(json.dumps(ROWS))
+    assert quads_claims.main([str(path)]) == 0
+    assert "| naive NVFP4 ends >= 5 points" in capsys.readouterr().out

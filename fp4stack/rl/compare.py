@@ -27,19 +27,12 @@ from typing import Any
 
 from ..parallel_runs import LOG_NAME, Job, run_jobs
 from .compare_report import write_report
-from .config import RLConfig
+from .config import RLConfig, default_trainer
 from .trainer import run_rl, warm_up_policy
 
 DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
 _RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(:(?P<mode>static|dynamic))?"
                   r"(/(?P<trainer>[a-z0-9-]+))?(?P<tis>\+tis)?")
-_QAT_ROLLOUTS = ("quads", "quads-token", "w4a16")  # weight-quantizing rollouts: qat-w trainer
-
-
-def default_trainer(rollout: str) -> str:
-    """The trainer of a run that names none: qat-w for the weight-quantizing rollouts, else
-    bf16."""
-    return "qat-w" if rollout in _QAT_ROLLOUTS else "bf16"
 
 
 def parse_run(name: str) -> dict[str, Any]:

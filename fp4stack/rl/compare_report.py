@@ -19,6 +19,7 @@ from typing import Any
 
 from ..files import make_output_dir
 from ..train.metrics import read_metrics
+from .config import default_trainer
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
@@ -120,8 +121,6 @@ def write_report(rows: list[dict[str, Any]], out: Path) -> None:
 def run_name(result: dict[str, Any]) -> str:
     """The `rl-compare` name of a finished run (compare.parse_run's inverse) from its
     result.json: e.g. bf16, nvfp4+tis, quads@0.5:static, nvfp4/qat-w."""
-    from .compare import default_trainer
-
     rollout = result["rollout"]
     name = rollout
     if rollout.startswith("quads"):

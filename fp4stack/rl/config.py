@@ -14,6 +14,13 @@ from .rollout import PRECISIONS
 from .schedule import OFF_POLICY
 
 TRAINERS = ("bf16", "qat-w")
+_QAT_ROLLOUTS = ("quads", "quads-token", "w4a16")  # weight-quantizing rollouts: qat-w trainer
+
+
+def default_trainer(rollout: str) -> str:
+    """The trainer of an rl-compare run that names none: qat-w for the weight-quantizing
+    rollouts, else bf16."""
+    return "qat-w" if rollout in _QAT_ROLLOUTS else "bf16"
 CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
 ALARM_ACTIONS = ("off", "warn", "stop")
 # The keys a policy of each kind takes (a gpt policy's are GPTConfig fields and `preset`).

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..parallel_runs import LOG_NAME, Job, run_jobs
 from .compare_report import write_report
-from .config import RLConfig, default_trainer
+from .config import RUN_FIELDS, RLConfig, default_trainer
 from .trainer import run_rl, warm_up_policy
 
 DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
@@ -69,10 +69,6 @@ def parse_run(name: str) -> dict[str, Any]:
     return overrides
 
 
-# Fields a sweep may not vary: the run name sets the first ones, --seeds the seed, and the
-# others make the SFT start, which a comparison's runs share (trainer.sft_inputs).
-_NOT_SWEPT = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed",
-              "out", "device")
 _BOOLS = {"true": True, "false": False}
 
 
@@ -87,7 +83,9 @@ def parse_sweep(text: str, cfg: RLConfig) -> tuple[str, list[tuple[str, Any]]]:
         raise ValueError(f"sweep {text!r} is not FIELD=V1,V2,..., e.g. lr=1e-6,3e-6")
     if not hasattr(cfg, field_name):
         raise ValueError(f"sweep: {field_name!r} is not an RL config field")
-    if field_name in _NOT_SWEPT or field_name in SFT_KEYS:
+    # A sweep may not vary what the run names, --seeds and --out set (RUN_FIELDS), nor what
+    # makes the SFT start the runs share (SFT_KEYS).
+    if field_name in RUN_FIELDS or field_name in SFT_KEYS:
         raise ValueError(f"sweep: {field_name} cannot be swept: it is set by the run names or "
                          "--seeds, or it changes the SFT start the runs share (use separate "
                          "--out directories for that)")

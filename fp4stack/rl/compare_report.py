@@ -19,14 +19,13 @@ from typing import Any
 
 from ..files import make_output_dir
 from ..train.metrics import read_metrics
-from .config import default_trainer
+from .config import RUN_FIELDS, default_trainer
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
 # Config fields that a run's name states, that every run of a comparison differs in, or that
 # only say when a run stops (its steps are in the table).
-_NAMED = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed", "out",
-          "device", "steps", "max_minutes")
+_NAMED = (*RUN_FIELDS, "steps", "max_minutes")
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -159,7 +158,7 @@ def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
     rows = []
     for result, cfg, where in found:
         label = " ".join([run_name(result)] + [f"{k}={cfg.get(k)}" for k in varying])
-        rows.append({"run": label, **result, "seed": result.get("seed"), "out": str(where)})
+        rows.append({"run": label, **result, "out": str(where)})
     order = {name: i for i, name in enumerate(dict.fromkeys(r["run"] for r in rows))}
     return sorted(rows, key=lambda r: (order[r["run"]], r["seed"] or 0))
 

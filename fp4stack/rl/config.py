@@ -14,6 +14,9 @@ from .rollout import PRECISIONS
 from .schedule import OFF_POLICY
 
 TRAINERS = ("bf16", "qat-w")
+# The fields an rl-compare run's name, its seed and its directory set.
+RUN_FIELDS = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed",
+              "out", "device")
 _QAT_ROLLOUTS = ("quads", "quads-token", "w4a16")  # weight-quantizing rollouts: qat-w trainer
 
 

@@ -47,6 +47,9 @@ SHAPES = {
     # The ~240M-parameter MoE of the issue that asked for the fast engine (8 experts top-2).
     "moe-240m": dict(vocab_size=32768, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
                      moe=True, n_experts=8, top_k=2, moe_hidden=768),
+    # SmolLM2-135M upcycled to 8 experts top-2 (configs/rl/smollm2-worked.yaml's policy).
+    "smollm2-moe": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                        head_dim=64, moe=True, n_experts=8, top_k=2, moe_hidden=1536),
     # configs/rl/small-moe.yaml's policy (a character vocabulary).
     "small-moe": dict(vocab_size=20, dim=256, n_layers=4, n_heads=4, n_kv_heads=2,
                       ffn_hidden=128, moe=True, n_experts=8, top_k=2, moe_hidden=256),

@@ -11,11 +11,11 @@ import functools
 import inspect
 from typing import Any, Protocol
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.gpt import GPT, KVCache
+from .logprob_head import target_logprobs
 
 
 class TokenizerLike(Protocol):
@@ -97,17 +97,17 @@ def token_logprobs(model: nn.Module, tokens: Tensor, mask: Tensor, temperature: 
     """log p(tokens[:, t] | tokens[:, :t]) at every real column with a real column before it,
     [B, L] float32; every other column (pads, each row's first token) holds 0, so a padded row
     scores as the sequence alone. The sampling temperature divides the logits, as the engine
-    sampled. entropy=True also returns the (detached) entropy of each column's distribution."""
-    logits = forward_logits(model, tokens, mask)[:, :-1].float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    sampled. entropy=True also returns the (detached) entropy of each column's distribution.
+    The log-softmax runs a chunk of rows at a time (rl.logprob_head): no float32 [B, L, V]
+    tensor is held, and the values are the plain computation's."""
+    logits = forward_logits(model, tokens, mask)
+    # Column t scores token t + 1; the last column's target is a dummy, dropped below (scoring
+    # the whole logits tensor saves copying a strided slice of it).
+    out = target_logprobs(logits, F.pad(tokens[:, 1:], (0, 1)), temperature, entropy=entropy)
+    lp, ent = out if entropy else (out, None)
     mask = mask.bool()
     scored = F.pad(mask[:, 1:] & mask[:, :-1], (1, 0))  # a first token has no context to score
-    lp = F.pad(logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))
-    lp = lp.masked_fill(~scored, 0.0)
+    lp = F.pad(lp[:, :-1], (1, 0)).masked_fill(~scored, 0.0)
     if not entropy:
         return lp
-    with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1)
-    return lp, F.pad(ent, (1, 0)).masked_fill(~scored, 0.0)
+    return lp, F.pad(ent[:, :-1], (1, 0)).masked_fill(~scored, 0.0)

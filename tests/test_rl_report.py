@@ -83,3 +83,12 @@ def test_report_errors_name_the_directory(tmp_path, capsys):
                      str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err
         assert match in err and str(dirs) in err
+
+
+def test_rolling_mean_is_the_mean_of_the_window_ending_at_each_step():
+    from fp4stack.rl.compare_report import rolling_mean
+
+    values = [1.0, 3.0, 5.0, 7.0, 100.0]
+    assert rolling_mean(values, 2) == [1.0, 2.0, 4.0, 6.0, 53.5]
+    assert rolling_mean(values, 10) == [1.0, 2.0, 3.0, 4.0, 23.2]
+    assert rolling_mean([], 3) == []

@@ -163,9 +163,21 @@ def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (order[r["run"]], r["seed"] or 0))
 
 
+SMOOTH_STEPS = 10  # the plot's running mean of the per-step mismatch
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to window - 1 before it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """k3 and max |dlogp| per step (log scale) and reward per step (pass@1 as markers), one
-    colour per run (its seeds in that colour)."""
+    """k3 and max |dlogp| per step (log scale; faint, with their running mean) and reward per
+    step (pass@1 as markers), one colour per run (its seeds in that colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,17 +191,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         records = read_metrics(r["out"])
         metrics = [m for m in records if "k3" in m]
         steps = [m["step"] for m in metrics]
-        kx.plot(steps, [max(float(m["k3"]), 1e-12) for m in metrics], color=colour, label=label)
-        dx.plot(steps, [max(float(m["logp_diff_max"]), 1e-12) for m in metrics], color=colour,
-                label=label)
+        for ax, key in ((kx, "k3"), (dx, "logp_diff_max")):
+            values = [max(float(m[key]), 1e-12) for m in metrics]
+            ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, rolling_mean(values, SMOOTH_STEPS), color=colour, label=label)
         rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=label)
         evals = [(m["step"], m["pass_at_1"]) for m in records if "pass_at_1" in m]
         if evals:
             rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
     kx.set_yscale("log")
     dx.set_yscale("log")
-    kx.set_title("trainer-rollout mismatch k3 per step (0 drawn at 1e-12)")
-    dx.set_title("max |log p_train - log p_rollout| per step")
+    kx.set_title(f"trainer-rollout mismatch k3 per step (0 drawn at 1e-12; "
+                 f"{SMOOTH_STEPS}-step mean)")
+    dx.set_title(f"max |log p_train - log p_rollout| per step ({SMOOTH_STEPS}-step mean)")
     rx.set_title("reward per step (line), greedy pass@1 (markers)")
     for ax in (kx, dx, rx):
         ax.set_xlabel("step")

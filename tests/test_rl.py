@@ -231,6 +231,37 @@ def test_the_sft_warm_up_is_reused_only_for_the_inputs_that_made_it(tmp_path):
         assert all(torch.equal(fresh[k], got[k]) for k in fresh)
 
 
+def test_the_sft_warm_up_runs_deterministic_algorithms_and_restores_the_mode(tmp_path,
+                                                                            monkeypatch):
+    import fp4stack.rl.trainer as trainer
+
+    seen = []
+    real = trainer.sft_warmup
+
+    def recording(*args, **kwargs):
+        seen.append((torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "sft_warmup", recording)
+    cfg = tiny_config(tmp_path, sft_steps=1)
+    before = torch.are_deterministic_algorithms_enabled()
+    prepare_policy(cfg, load_task(cfg.task, **cfg.task_options), torch.device("cpu"), None,
+                   lambda _: None)
+    assert seen == [(True, True)]
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sft_warm_ups_repeat_bitwise(tmp_path):
+    cfg = tiny_config(tmp_path, sft_steps=20, device="cuda")
+    task = load_task(cfg.task, **cfg.task_options)
+    a, b = (prepare_policy(cfg, task, torch.device("cuda"), None, lambda _: None)[0].state_dict()
+            for _ in range(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("bad,match", [({"rollout": "fp4"}, "rollout"),
                                        ({"group_size": 1}, "group_size"),
                                        ({"policy": {"kind": "x"}}, "policy.kind"),

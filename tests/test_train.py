@@ -366,7 +366,10 @@ def test_deterministic_algorithms_off_changes_nothing(monkeypatch):
         assert _torch_modes() == before
     with deterministic_algorithms(True):
         assert _torch_modes() == (True, False, ":16:8")  # a user's workspace setting is kept
-    assert _torch_modes() == before
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    with deterministic_algorithms(True, warn_only=True):
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert _torch_modes() == before and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from ..device import resolve_device
 from ..files import make_output_dir
 from ..nn.moe import replay_routing
 from ..nn.operands import weight_operands_once
+from ..train.determinism import deterministic_algorithms
 from ..train.metrics import MetricsLogger
 from . import policy as lm
 from .config import RLConfig
@@ -88,8 +89,11 @@ def prepare_policy(cfg: RLConfig, task: Task, device: torch.device, cache_dir: P
             log(f"policy: loaded the SFT warm-up from {cached}")
             return model.eval(), tokenizer
         log(f"policy: {cached} does not match this run's SFT inputs ({why}); redoing the warm-up")
-    sft_warmup(model, tokenizer, task, steps=cfg.sft_steps, batch_size=cfg.sft_batch_size,
-               lr=cfg.sft_lr, seed=cfg.seed, device=device, log=log)
+    # Deterministic algorithms, so that arms trained apart (in other processes, on other days)
+    # start from the same weights: the start's digest in each result.json says whether they did.
+    with deterministic_algorithms(warn_only=True):
+        sft_warmup(model, tokenizer, task, steps=cfg.sft_steps, batch_size=cfg.sft_batch_size,
+                   lr=cfg.sft_lr, seed=cfg.seed, device=device, log=log)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.name}.tmp")  # fixed: a killed save's is overwritten

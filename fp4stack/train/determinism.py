@@ -23,9 +23,10 @@ CUBLAS_WORKSPACE = ":4096:8"
 
 
 @contextlib.contextmanager
-def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
+def deterministic_algorithms(enabled: bool = True, warn_only: bool = False) -> Iterator[None]:
     """Within the block, run torch's deterministic algorithms and no cuDNN attention; the
-    previous settings come back afterwards. enabled=False changes nothing."""
+    previous settings come back afterwards. enabled=False changes nothing; warn_only=True lets
+    an op without a deterministic algorithm run (with torch's warning) instead of raising."""
     if not enabled:
         yield
         return
@@ -34,7 +35,7 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
              torch.backends.cuda.cudnn_sdp_enabled(),
              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         yield

@@ -169,11 +169,14 @@ def test_ranks_take_whole_micro_batches_of_the_global_batch(built):
 
 
 def test_max_chars_and_min_val_tokens(tmp_path, texts):
+    # Documents of at most 2,000 characters: the leading ones that fit then fill the limit to
+    # within one document, whatever order the shuffle gives.
+    texts = [t for t in texts if len(t) <= 2_000]
     corpus_dir = make_corpus(tmp_path / "corpus", texts)
     out = build(corpus_dir, tmp_path / "small", max_chars=20_000)
     m = json.loads((out / "manifest.json").read_text())
     used = m["sources"][0]["chars_used"]
-    assert 15_000 < used <= 20_000 and m["sources"][0]["documents_used"] < len(texts)
+    assert 18_000 < used <= 20_000 and m["sources"][0]["documents_used"] < len(texts)
     assert m["splits"]["train"]["chars"] + m["splits"]["val"]["chars"] == used
     # An unreachable minimum is capped: validation never takes more than half the text.
     out = build(corpus_dir, tmp_path / "bigval", min_val_tokens=10**9)

@@ -198,3 +198,15 @@ def test_replay_errors():
     bad = {"x": torch.zeros(4, K)}
     with pytest.raises(ValueError, match="missing"), replay_routing(block, bad):
         pass
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("n_experts", [1, 8, 256, 257, 40_000])
+@pytest.mark.parametrize("pairs", [0, 1, 512, 5_000])
+def test_expert_order_is_the_stable_int64_argsort(n_experts, pairs, device):
+    from fp4stack.kernels.expert_order import expert_order
+
+    g = torch.Generator().manual_seed(pairs + n_experts)
+    flat = torch.randint(0, n_experts, (pairs,), generator=g).to(device)
+    flat[: pairs // 3] = n_experts - 1  # long runs of one expert: stability decides their order
+    assert torch.equal(expert_order(flat, n_experts), torch.argsort(flat, stable=True))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
 from .compensation import compensated_operand
+from .expert_order import expert_order
 from .nvfp4 import fake_quantize
 from .packed_gemm import (
     PackedExperts,
@@ -56,7 +57,7 @@ def align_pairs(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignmen
     flat = indices.reshape(-1).long()
     pairs, dev = flat.numel(), flat.device
     n_tiles = max_tiles(pairs, n_experts, block_m)
-    order = torch.argsort(flat, stable=True)  # pairs by expert, in pair order within one
+    order = expert_order(flat, n_experts)  # pairs by expert, in pair order within one
     experts = torch.arange(n_experts + 1, device=dev)
     bounds = torch.searchsorted(flat[order], experts)  # expert e's pairs: order[bounds[e]:...]
     start, counts = bounds[:-1], bounds[1:] - bounds[:-1]

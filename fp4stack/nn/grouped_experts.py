@@ -18,6 +18,7 @@ import functools
 import torch
 
 from ..formats.spec import QuantSpec
+from ..kernels.expert_order import expert_order
 from ..ops import spec_from_key, spec_key
 from .operands import _compute_dtype, quantize_operand, quantize_operand_pair
 from .recipe import Recipe
@@ -159,7 +160,7 @@ def sort_pairs(indices: torch.Tensor, n_experts: int):
     """(order, counts) for routing indices [T, k]: the T*k pairs sorted by expert (stable, so
     an expert's pairs keep pair order) and each expert's count [E], with static shapes."""
     flat = indices.reshape(-1)
-    order = flat.argsort(stable=True)
+    order = expert_order(flat, n_experts)
     bounds = torch.searchsorted(flat[order], torch.arange(n_experts + 1, device=flat.device))
     return order, bounds[1:] - bounds[:-1]
 

@@ -86,10 +86,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     host_counts the counts as read on the host already (eager callers), or None."""
     specs = _specs(recipe)
     y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
+    if specs is None:  # the casts once for all experts: elementwise, so the same values
+        x_low, w_low = x.to(dtype), weight.to(dtype)
+        for e, rows in _rows(counts, host_counts):
+            y[rows] = x_low[rows] @ w_low[e].t()
+        return y
     for e, rows in _rows(counts, host_counts):
-        if specs is None:
-            y[rows] = x[rows].to(dtype) @ weight[e].to(dtype).t()
-            continue
         qx, qw = _forward_operands(x[rows], weight[e], specs, x_amax, seeds, e, dtype)
         y[rows] = qx @ qw.t()
     return y
@@ -110,13 +112,19 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     expert, its saved operands re-quantized from x and weight with the forward's seeds."""
     specs = _specs(recipe)
     dx = torch.zeros_like(x)
+    if specs is None:  # autograd's formulas for F.linear, as the plain loop gets them, with the
+        # casts once for all experts (elementwise: the same values) and dw in dy's dtype until
+        # the end, as each expert's product was cast on its own
+        x_low, w_low = x.to(dy.dtype), weight.to(dy.dtype)
+        dw_low = torch.zeros_like(weight, dtype=dy.dtype)
+        for e, rows in _rows(counts, host_counts):
+            dye = dy[rows]
+            dx[rows] = dye.mm(w_low[e]).to(x.dtype)
+            dw_low[e] = x_low[rows].t().mm(dye).t()
+        return dx, dw_low.to(weight.dtype)
     dw = torch.zeros_like(weight)
     for e, rows in _rows(counts, host_counts):
         xe, we, dye = x[rows], weight[e], dy[rows]
-        if specs is None:  # autograd's formulas for F.linear, as the plain loop gets them
-            dx[rows] = dye.mm(we.to(dye.dtype)).to(x.dtype)
-            dw[e] = xe.to(dye.dtype).t().mm(dye).t().to(weight.dtype)
-            continue
         if specs["x_wgrad"] is None:
             qx, qw = _forward_operands(xe, we, specs, x_amax, seeds, e, dtype)
             xw = qx

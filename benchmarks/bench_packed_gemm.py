@@ -217,8 +217,9 @@ def table(rows: list[dict]) -> str:
 
 def compile_check(quick: bool) -> list[str]:
     """Compile the kernels for sm_90 without a GPU (bf16 activations, packed weights): every
-    GEMM_CONFIGS and GROUPED_CONFIGS entry, the split-K reduce, the column norms and the
-    per-row activation quantizer (RNE, 4/6); `quick`: one of each kind."""
+    GEMM_CONFIGS and GROUPED_CONFIGS entry, the split-K reduce, the column norms, the
+    per-row activation quantizer (RNE, 4/6), QUADS's operand and the MoE alignment; `quick`:
+    one of each kind."""
     import triton.language as tl
 
     from fp4stack.kernels import packed_gemm as pg
@@ -293,8 +294,15 @@ def compile_check(quick: bool) -> list[str]:
     for sort in (False, True):
         jobs.append((f"quads select sorted={sort}", comp.select_kernel, 4, None,
                      dict(TILE=16, BLOCK=2048, SORTED=sort)))
+    from fp4stack.kernels import moe_align
+
+    # The alignment of the grouped MoE path: one program, decode's 8 experts and 64
+    for block_e in (8,) if quick else (8, 64):
+        jobs.append((f"moe align pairs experts<={block_e}", moe_align.align_pairs_kernel, 4,
+                     None, dict(BLOCK_P=4096 // block_e, BLOCK_E=block_e,
+                                BLOCK_T=4096 // block_e, BLOCK_R=1024)))
     ptrs.update(tiles_ptr="*i32", q_ptr="*bf16", sums_ptr="*fp32", norms_ptr="*fp32",
-                tile_group_ptr="*i32", keep_ptr="*u8")
+                tile_group_ptr="*i32", keep_ptr="*u8", ids_ptr="*i64", expert_tiles_ptr="*i32")
     ptrs["out_ptr"] = "*bf16"
     lines = []
     for label, fn, warps, stages, consts in jobs:

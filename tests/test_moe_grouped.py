@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp4stack import dequantize, recipe
 from fp4stack.formats.fp8 import fake_quantize_fp8
@@ -63,6 +65,24 @@ def test_align_pairs_tiles_every_pair_once_by_expert(t, k, bm):
         assert int((tiles == e).sum()) == -(-count // bm)  # whole tiles, no spare ones
     used = tiles >= 0
     assert used.sum() == 0 or not used[int(used.sum()):].any()  # unused tiles at the end
+
+
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 700), k=st.integers(1, 4), experts=st.sampled_from([1, 2, 6, 8, 64, 256]),
+       bm=st.sampled_from([4, 16, 64]), skewed=st.booleans())
+def test_align_pairs_kernel_equals_the_torch_reference(t, k, experts, bm, skewed):
+    k = min(k, experts)
+    g = torch.Generator().manual_seed(t * 7 + k)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    if skewed:  # most pairs on one expert, several experts with none
+        idx[: t // 2, 0] = experts - 1
+        idx = torch.where(idx % 3 == 1, experts - 1, idx) if experts > 2 else idx
+    idx = idx.to(DEVICE)
+    got, want = (moe_align.align_pairs(idx, experts, bm),
+                 moe_align.align_pairs_reference(idx, experts, bm))
+    for field in ("sorted_rows", "tile_expert", "expert_tiles"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert (got.pairs, got.block_m) == (want.pairs, want.block_m)
 
 
 def test_group_amax_is_the_amax_of_each_groups_rows():

@@ -4,8 +4,11 @@ launches (gate/up, down) for all experts, and the combine, all without a host sy
 Pair p = t * k + j is token t's j-th choice. `align_pairs` sorts the T*k pairs by expert and
 pads each expert's run to whole tiles of block_m rows; the number of tiles has a static bound
 (T*k // block_m + min(E, T*k)), so every shape is known on the host without reading the routing
-back, and tiles past the last expert's are skipped by the kernel. Everything here is gathers,
-sorts and searchsorted (no scatter, no atomics): deterministic run to run.
+back, and tiles past the last expert's are skipped by the kernel. The alignment is one Triton
+launch (`align_pairs_kernel`: a counting sort, each pair's row written once) where the torch
+reference (`align_pairs_reference`: sorts, gathers and searchsorted) takes ~30 small launches a
+MoE block, which a decoding step of a narrow MoE pays in every block. Nothing here uses atomics:
+deterministic run to run.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from ..formats.fp8 import fake_quantize_fp8
 from ..formats.spec import QuantSpec
+from . import interpreted
 from .compensation import compensated_operand
 from .expert_order import expert_order
-from .nvfp4 import fake_quantize
+from .nvfp4 import _launch_options, fake_quantize
 from .packed_gemm import (
     PackedExperts,
     choose_grouped_config,
@@ -51,9 +57,76 @@ def max_tiles(pairs: int, n_experts: int, block_m: int) -> int:
     return pairs // block_m + min(n_experts, pairs)
 
 
+MAX_KERNEL_EXPERTS = 256  # the kernel holds a [pairs, experts] block of comparisons
+
+
 def align_pairs(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
     """Sort the pairs of routing `indices` [T, k] (expert ids in [0, n_experts)) by expert into
-    tiles of block_m rows, each tile holding one expert's pairs (see Alignment)."""
+    tiles of block_m rows, each tile holding one expert's pairs (see Alignment): one Triton
+    launch on CUDA (and under the interpreter), the torch reference elsewhere; the same
+    Alignment either way."""
+    if (indices.numel() and n_experts <= MAX_KERNEL_EXPERTS
+            and (indices.is_cuda or interpreted())):
+        return _align_pairs_triton(indices, n_experts, block_m)
+    return align_pairs_reference(indices, n_experts, block_m)
+
+
+@triton.jit
+def align_pairs_kernel(ids_ptr, rows_ptr, tile_expert_ptr, expert_tiles_ptr, P, E, N_TILES,
+                       block_m, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: count each expert's pairs, lay the tiles out, then write pair p to row
+    tile_start[e] * block_m + (pairs of e before p); rows no pair takes hold P."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for start in range(0, P, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tl.cumsum(tiles, axis=0)
+    row_start = (tile_end - tiles) * block_m
+    tl.store(expert_tiles_ptr + e, tile_end - tiles, mask=e < E)
+    tl.store(expert_tiles_ptr + 1 + e, tile_end, mask=e == E - 1)
+    # A tile's expert: the first whose tiles end after it (-1 past the last expert's tiles).
+    for start in range(0, N_TILES, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        owner = tl.sum(((tile_end[None, :] <= t[:, None]) & (e[None, :] < E)).to(tl.int32),
+                       axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(owner < E, owner, -1), mask=t < N_TILES)
+    for start in range(0, N_TILES * block_m, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        tl.store(rows_ptr + r, tl.zeros((BLOCK_R,), tl.int32) + P, mask=r < N_TILES * block_m)
+    tl.debug_barrier()  # the padding is written before any pair's row
+    seen = tl.zeros((BLOCK_E,), tl.int32)  # each expert's pairs in the blocks before
+    for start in range(0, P, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit + seen[None, :]  # earlier pairs of each expert
+        row = tl.sum(hit * (row_start[None, :] + before), axis=1)
+        tl.store(rows_ptr + row, p.to(tl.int32), mask=p < P)
+        seen += tl.sum(hit, axis=0)
+
+
+def _align_pairs_triton(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
+    flat = indices.reshape(-1).contiguous()
+    pairs = flat.numel()
+    n_tiles = max_tiles(pairs, n_experts, block_m)
+    sorted_rows = torch.empty(n_tiles * block_m, dtype=torch.int32, device=flat.device)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=flat.device)
+    expert_tiles = torch.empty(n_experts + 1, dtype=torch.int32, device=flat.device)
+    block_e = max(2, triton.next_power_of_2(n_experts))
+    block_p = max(16, min(triton.next_power_of_2(pairs), 4096 // block_e))
+    align_pairs_kernel[(1,)](flat, sorted_rows, tile_expert, expert_tiles, pairs, n_experts,
+                             n_tiles, block_m, BLOCK_P=block_p, BLOCK_E=block_e,
+                             BLOCK_T=max(16, 4096 // block_e), BLOCK_R=1024, num_warps=4,
+                             **_launch_options())
+    return Alignment(sorted_rows, tile_expert, expert_tiles, pairs, block_m)
+
+
+def align_pairs_reference(indices: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
+    """`align_pairs` in torch: sorts, gathers and searchsorted (the kernel's reference)."""
     flat = indices.reshape(-1).long()
     pairs, dev = flat.numel(), flat.device
     n_tiles = max_tiles(pairs, n_experts, block_m)

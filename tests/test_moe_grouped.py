@@ -85,6 +85,22 @@ def test_align_pairs_kernel_equals_the_torch_reference(t, k, experts, bm, skewed
     assert (got.pairs, got.block_m) == (want.pairs, want.block_m)
 
 
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 40), k=st.integers(1, 8), d=st.sampled_from([1, 7, 64, 1500]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), zeros=st.booleans())
+def test_combine_kernel_equals_the_torch_reference(t, k, d, dtype, zeros):
+    g = torch.Generator().manual_seed(t * 11 + k + d)
+    idx = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)]).to(DEVICE)
+    w = torch.rand(t, k, generator=g).to(DEVICE)
+    y = (torch.randn(t * k, d, generator=g) * 3).to(DEVICE, dtype)
+    if zeros:  # signed zeros: the sum starts from +0.0, as the loop's does
+        y[:, : (d + 1) // 2] = -0.0
+        w[0, 0] = -0.0
+    got, want = moe_align.combine(y, w, idx), moe_align.combine_reference(y, w, idx)
+    assert got.dtype == torch.float32 and got.shape == (t, d)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 vs +0.0 too
+
+
 def test_group_amax_is_the_amax_of_each_groups_rows():
     x = torch.randn(5, 24)
     x[3, 7] = -40.0

@@ -165,10 +165,58 @@ def group_amax(rows: torch.Tensor, row_div: int, group: torch.Tensor,
     return out.view(torch.float32)
 
 
+MAX_COMBINE_K = 16  # the kernel orders a token's k choices by static loops, k^2 compares
+
+
 def combine(y: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """float32 [T, D]: sum_j weights[t, j] * y[t * k + j], each product in float32 and the k
     terms added in increasing expert order, as Experts.forward's loop adds them (expert by
-    expert into zeros), so equal y give equal bits."""
+    expert into zeros), so equal y give equal bits. One Triton launch on CUDA (and under the
+    interpreter), where the torch reference (`combine_reference`) takes seven; a token's
+    experts are distinct, as top-k routing gives them (ties would be added in choice order)."""
+    t, k = indices.shape
+    if not (t and k <= MAX_COMBINE_K and (y.is_cuda or interpreted())):
+        return combine_reference(y, weights, indices)
+    d = y.shape[-1]
+    out = torch.empty((t, d), dtype=torch.float32, device=y.device)
+    block_d = min(1024, triton.next_power_of_2(d))
+    combine_kernel[(t, triton.cdiv(d, block_d))](
+        y.contiguous(), weights.contiguous(), indices.contiguous(), out, d, K=k,
+        BLOCK_D=block_d, num_warps=4, **_launch_options())
+    return out
+
+
+@triton.jit
+def combine_kernel(y_ptr, gates_ptr, experts_ptr, sum_ptr, D, K: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """sum[t, block] = (0 + p_(1)) + p_(2) + ..., p_(r) = float32(y[t * K + j]) * gates[t, j]
+    for the choice j of rank r by its expert (experts[t, j]; ties: choice order)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = d < D
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for r in tl.static_range(K):
+        src = 0
+        w = tl.load(gates_ptr + t * K).to(tl.float32)
+        for j in tl.static_range(K):
+            e_j = tl.load(experts_ptr + t * K + j)
+            rank = 0
+            for i in tl.static_range(K):
+                e_i = tl.load(experts_ptr + t * K + i)
+                if i < j:
+                    rank += (e_i <= e_j).to(tl.int32)
+                elif i > j:
+                    rank += (e_i < e_j).to(tl.int32)
+            src = tl.where(rank == r, j, src)
+            w = tl.where(rank == r, tl.load(gates_ptr + t * K + j).to(tl.float32), w)
+        p = tl.load(y_ptr + (t * K + src) * D + d, mask=ok, other=0.0).to(tl.float32) * w
+        acc = p + 0.0 if r == 0 else acc + p  # the loop's zeros + first term: -0.0 -> +0.0
+    tl.store(sum_ptr + t * D + d, acc, mask=ok)
+
+
+def combine_reference(y: torch.Tensor, weights: torch.Tensor,
+                      indices: torch.Tensor) -> torch.Tensor:
+    """`combine` in torch: products, a sort of each token's choices, a gather and k adds."""
     t, k = indices.shape
     prod = y.reshape(t, k, -1) * weights.reshape(t, k, 1).to(torch.float32)
     order = indices.argsort(dim=1)

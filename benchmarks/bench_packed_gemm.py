@@ -218,7 +218,7 @@ def table(rows: list[dict]) -> str:
 def compile_check(quick: bool) -> list[str]:
     """Compile the kernels for sm_90 without a GPU (bf16 activations, packed weights): every
     GEMM_CONFIGS and GROUPED_CONFIGS entry, the split-K reduce, the column norms, the
-    per-row activation quantizer (RNE, 4/6), QUADS's operand, the MoE alignment and combine;
+    per-row activation quantizer (RNE, 4/6), QUADS's operand, the MoE alignment and combine, RoPE;
     `quick`: one of each kind."""
     import triton.language as tl
 
@@ -301,12 +301,17 @@ def compile_check(quick: bool) -> list[str]:
         jobs.append((f"moe align pairs experts<={block_e}", moe_align.align_pairs_kernel, 4,
                      None, dict(BLOCK_P=4096 // block_e, BLOCK_E=block_e,
                                 BLOCK_T=4096 // block_e, BLOCK_R=1024)))
+    from fp4stack.kernels import rope
+
+    jobs.append(("rope head_dim=64", rope.rope_kernel, 4, None,
+                 dict(HALF=32, BLOCK_R=64, BLOCK_D=32)))
     for k in (2,) if quick else (2, 8):  # the combine of each token's k outputs
         jobs.append((f"moe combine k={k}", moe_align.combine_kernel, 4, None,
                      dict(K=k, BLOCK_D=1024)))
     ptrs.update(tiles_ptr="*i32", q_ptr="*bf16", sums_ptr="*fp32", norms_ptr="*fp32",
                 tile_group_ptr="*i32", keep_ptr="*u8", ids_ptr="*i64", expert_tiles_ptr="*i32",
-                y_ptr="*bf16", gates_ptr="*fp32", experts_ptr="*i64", sum_ptr="*fp32")
+                y_ptr="*bf16", gates_ptr="*fp32", experts_ptr="*i64", sum_ptr="*fp32",
+                cos_ptr="*fp32", sin_ptr="*fp32")
     ptrs["out_ptr"] = "*bf16"
     lines = []
     for label, fn, warps, stages, consts in jobs:

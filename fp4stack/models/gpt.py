@@ -32,6 +32,7 @@ from ..nn.moe import (
     record_routing,
     replay_routing,
 )
+from .rope import apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -113,26 +114,6 @@ class GPTConfig:
     def small_moe(cls, **overrides) -> GPTConfig:
         """small() with 16 experts, top-4, 512 hidden each: 296M parameters, 126M active."""
         return cls(**{"moe": True, "n_experts": 16, "top_k": 4, "moe_hidden": 512, **overrides})
-
-
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """fp32 cos and sin [..., head_dim] for positions [...] ([S] or per row [B, S]), in the
-    rotate-half layout of HF Llama/Qwen."""
-    # Computed per forward, not stored as buffers, so model.to(bf16) cannot round them.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                              dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, S, H, hd] rotated by position; cos/sin [S, hd] or per row [B, S, hd]."""
-    # At least fp32: bf16 q/k rotated in bf16 would lose position information at long range.
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    x1, x2 = xf.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class KVCache:

@@ -431,7 +431,8 @@ def test_a_qat_w_update_quantizes_each_dense_weight_once_for_all_micro_batches(t
                                                                               monkeypatch):
     from fp4stack.nn import operands
     from fp4stack.nn.linear import QuantLinear
-    from fp4stack.rl.trainer import build_run, start_engine, train_step
+    from fp4stack.rl.trainer import build_run, start_engine
+    from fp4stack.rl.update import train_step
 
     cfg = tiny_config(tmp_path, sft_steps=2, micro_batch_size=3, prompts_per_step=4,
                       group_size=2, rollout="quads", trainer="qat-w")
@@ -447,3 +448,66 @@ def test_a_qat_w_update_quantizes_each_dense_weight_once_for_all_micro_batches(t
     dense = {id(m.weight) for m in parts.model.modules() if isinstance(m, QuantLinear)}
     # One Q(W) per weight (it serves the forward and the dgrad), not one per micro-batch.
     assert dense and all(made.count(w) == 1 for w in dense)
+
+
+def _one_step_parts(tmp_path, **overrides):
+    from fp4stack.rl.trainer import build_run, start_engine
+
+    cfg = tiny_config(tmp_path, sft_steps=2, prompts_per_step=4, group_size=2,
+                      rollout="bf16", trainer="bf16", **overrides)
+    parts = build_run(cfg, torch.device("cpu"), tmp_path, log=lambda *a: None)
+    start_engine(cfg, parts, log=lambda *a: None)
+    examples = parts.task.train_examples(0)
+    prompts = [TOK.encode(next(examples).prompt) for _ in range(8)]
+    return cfg, parts, parts.engine.generate(prompts, torch.Generator().manual_seed(0))
+
+
+def _out_of_memory_above(monkeypatch, rows: int, spare: tuple[int, ...] = ()):
+    """The trainer's forwards of more than `rows` rows run out of memory, except the n-th such
+    forward for n in `spare` (1-based); the engine's scoring (no grad) never does."""
+    real, seen = lm.token_logprobs, []
+
+    def fake(model, tokens, *a, **k):
+        if torch.is_grad_enabled() and tokens.shape[0] > rows:
+            seen.append(tokens.shape[0])
+            if len(seen) not in spare:
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(model, tokens, *a, **k)
+
+    monkeypatch.setattr(lm, "token_logprobs", fake)
+
+
+def test_an_update_out_of_memory_is_redone_at_half_the_micro_batch(tmp_path, monkeypatch):
+    from fp4stack.rl.update import train_step
+
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(3))
+    cfg, parts, rollout = _one_step_parts(tmp_path / "a", micro_batch_size=2)
+    train_step(parts.model, parts.opt, rollout, adv, cfg, None, log=lambda *a: None)
+    want = [p.detach().clone() for p in parts.model.parameters()]
+    # 8 rows do not fit; at 4 the first micro-batch fits and its backward runs, the second
+    # does not; the step starts again at 2 and must give the plain run at 2.
+    cfg, parts, rollout = _one_step_parts(tmp_path / "b", micro_batch_size=8)
+    _out_of_memory_above(monkeypatch, rows=2, spare=(2,))
+    said = []
+    _, _, stats = train_step(parts.model, parts.opt, rollout, adv, cfg, None, log=said.append)
+    assert stats["micro_batch_size"] == 2 and len(said) == 2 and "at 4" in said[0]
+    assert all(torch.equal(a, b) for a, b in zip(want, parts.model.parameters(), strict=True))
+
+
+def test_an_update_that_fits_no_micro_batch_raises(tmp_path, monkeypatch):
+    from fp4stack.rl.update import train_step
+
+    cfg, parts, rollout = _one_step_parts(tmp_path, micro_batch_size=2)
+    _out_of_memory_above(monkeypatch, rows=0)
+    with pytest.raises(torch.OutOfMemoryError):
+        train_step(parts.model, parts.opt, rollout, torch.randn(8), cfg, None,
+                   log=lambda *a: None)
+
+
+def test_a_run_keeps_the_micro_batch_that_fit(tmp_path, monkeypatch):
+    _out_of_memory_above(monkeypatch, rows=4)
+    said = []
+    run_rl(tiny_config(tmp_path, steps=2, micro_batch_size=32, eval_every=0), log=said.append)
+    records = [r for r in read_metrics(tmp_path / "quads") if r["step"] > 0]
+    assert [r["micro_batch_size"] for r in records] == [4, 4]
+    assert sum("out of device memory" in s for s in said) == 3  # 32 -> 16 -> 8 -> 4, once

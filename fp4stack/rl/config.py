@@ -73,7 +73,7 @@ class RLConfig:
     max_minutes: float = 0.0  # stop after the step that would overrun this wall time (0: none)
     prompts_per_step: int = 16
     group_size: int = 8
-    micro_batch_size: int = 64  # sequences per trainer forward
+    micro_batch_size: int = 64  # sequences per trainer forward (halved while out of memory)
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

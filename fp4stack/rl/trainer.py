@@ -14,7 +14,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,12 @@ from ..convert import quantize_model
 from ..data.tasks import Example, Task, load_task, pass_at_k
 from ..device import resolve_device
 from ..files import make_output_dir
-from ..nn.moe import replay_routing
-from ..nn.operands import weight_operands_once
 from ..train.determinism import deterministic_algorithms
 from ..train.metrics import MetricsLogger
 from . import policy as lm
 from .config import RLConfig
 from .fast_rollout import FastRolloutEngine, build_engine
-from .grpo_loss import group_advantages, grpo_loss, rollout_correction
+from .grpo_loss import group_advantages
 from .metrics import MismatchAlarm, activation_errors, mismatch_metrics
 from .policies import (
     build_policy,
@@ -44,6 +41,7 @@ from .policies import (
 )
 from .rollout import Rollout, RolloutEngine
 from .schedule import RolloutSource
+from .update import train_step
 
 SFT_FILE = "sft_policy.pt"
 # The RLConfig fields that determine the SFT warm-up's weights.
@@ -127,69 +125,6 @@ def evaluate_pass_at_k(engine: RolloutEngine, task: Task, examples: list[Example
         passed = sum(task.score(t, e) >= 1.0 for t in texts[i * n:(i + 1) * n])
         total += pass_at_k(n, passed, k)
     return total / len(examples)
-
-
-def _slice_routing(routing: dict | None, rows: slice) -> dict | None:
-    return None if routing is None else {k: v[rows] for k, v in routing.items()}
-
-
-def trainer_autocast(cfg: RLConfig, device: torch.device):
-    """The trainer's compute precision: bfloat16 autocast for trainer_dtype "bfloat16" (fp32
-    master weights and optimizer either way; the log-probs and the loss in float32), else
-    nothing."""
-    if cfg.trainer_dtype == "bfloat16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
-               advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None
-               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """One GRPO update over the rollout in micro-batches. Returns the trainer's log-probs
-    [B, L] (detached), per-token entropy [B, L] and the loss stats."""
-    B = rollout.tokens.shape[0]
-    n_tokens = rollout.response_mask.sum().clamp(min=1)
-    starts = range(0, B, cfg.micro_batch_size)
-    # Each micro-batch's share of the response tokens (the loss is a token-mean over the whole
-    # batch), read on the host once rather than once per micro-batch.
-    shares = torch.stack([rollout.response_mask[i:i + cfg.micro_batch_size].sum() / n_tokens
-                          for i in starts]).tolist()
-    lps, ents, stats_sum = [], [], {}
-    opt.zero_grad(set_to_none=True)
-    # A qat-w trainer's micro-batches read the same weights: each is quantized once.
-    with weight_operands_once():
-        for start, share in zip(starts, shares, strict=True):
-            rows = slice(start, start + cfg.micro_batch_size)
-            tokens, mask = rollout.tokens[rows], rollout.mask[rows]
-            resp = rollout.response_mask[rows]
-            routing = _slice_routing(rollout.routing if cfg.routing_replay else None, rows)
-            with (replay_routing(model, routing) if routing else nullcontext(),
-                  trainer_autocast(cfg, tokens.device)):
-                logp, entropy = lm.token_logprobs(model, tokens, mask, cfg.temperature or 1.0,
-                                                  entropy=True)
-            old = logp.detach()
-            weights = rollout_correction(old, rollout.logprobs[rows], resp, cfg.correction,
-                                         cfg.correction_cap)
-            logp_ref = None
-            if ref is not None:
-                with torch.no_grad(), trainer_autocast(cfg, tokens.device):
-                    logp_ref = lm.token_logprobs(ref, tokens, mask, cfg.temperature or 1.0)
-            loss, stats = grpo_loss(logp, old, advantages[rows], resp, clip_low=cfg.clip_low,
-                                    clip_high=cfg.clip_high, weights=weights, logp_ref=logp_ref,
-                                    kl_coef=cfg.kl_coef)
-            (loss * share).backward()
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * share
-            lps.append(old)
-            ents.append(entropy.detach())
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-    if torch.isfinite(norm):
-        opt.step()
-        stats_sum["skipped"] = 0.0
-    else:
-        stats_sum["skipped"] = 1.0  # a non-finite gradient: the update is dropped
-    stats_sum["grad_norm"] = float(norm)
-    return torch.cat(lps), torch.cat(ents), stats_sum
 
 
 def _activation_error(model, rollout, cfg: RLConfig, step: int, out: Path) -> dict[str, float]:
@@ -330,7 +265,9 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
             rewards = rollout_rewards(task, tokenizer, rollout, group)
             adv = group_advantages(rewards, cfg.group_size)
             t_train = time.perf_counter()
-            lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref)
+            lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref, log)
+            if stats["micro_batch_size"] != cfg.micro_batch_size:  # what fits, from now on
+                cfg = cfg.with_overrides(micro_batch_size=int(stats["micro_batch_size"]))
             mism = mismatch_metrics(lp, rollout.logprobs, rollout.response_mask)  # syncs
             t_sync = time.perf_counter()
             checked = source.sync(model)
@@ -338,8 +275,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
             record = {"step": step, "reward": rewards.mean().item(), **mism,
                       "entropy": float((entropy * resp).sum() / resp.sum().clamp(min=1)),
                       "response_len": rollout.response_lengths.float().mean().item(),
-                      **{k: stats[k] for k in ("loss", "clip_frac", "grad_norm", "skipped")
-                         if k in stats},
+                      **{k: stats[k] for k in ("loss", "clip_frac", "grad_norm", "skipped",
+                                               "micro_batch_size") if k in stats},
                       "synced_tensors": checked, "generate_s": batch.generate_s,
                       "rollout_wait_s": batch.wait_s, "train_s": t_sync - t_train,
                       "sync_s": time.perf_counter() - t_sync, "step_s": time.perf_counter() - t0}

@@ -71,7 +71,8 @@ def time_steps(cfg, parts, device: torch.device, steps: int):
             rewards = rollout_rewards(parts.task, parts.tokenizer, rollout, group)
             adv = group_advantages(rewards, cfg.group_size)
         with _phase(t, "train", devices):
-            logp, _, _ = train_step(parts.model, parts.opt, rollout, adv, cfg, parts.ref)
+            logp, _, _ = train_step(parts.model, parts.opt, rollout, adv, cfg, parts.ref,
+                                    forward=parts.step_model)
         with _phase(t, "metrics", devices):
             mismatch_metrics(logp, rollout.logprobs, rollout.response_mask)
         with _phase(t, "refit", devices):
@@ -88,7 +89,8 @@ def profile_train_step(cfg, parts, rollout, advantages, device: torch.device,
     from torch.profiler import ProfilerActivity, profile
 
     run_cfg = cfg.with_overrides(micro_batch_size=micro_batch_size)
-    step = lambda: train_step(parts.model, parts.opt, rollout, advantages, run_cfg, parts.ref)  # noqa: E731
+    step = lambda: train_step(parts.model, parts.opt, rollout, advantages, run_cfg, parts.ref,  # noqa: E731
+                              forward=parts.step_model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)

@@ -511,3 +511,31 @@ def test_a_run_keeps_the_micro_batch_that_fit(tmp_path, monkeypatch):
     records = [r for r in read_metrics(tmp_path / "quads") if r["step"] > 0]
     assert [r["micro_batch_size"] for r in records] == [4, 4]
     assert sum("out of device memory" in s for s in said) == 3  # 32 -> 16 -> 8 -> 4, once
+
+
+def test_a_compiled_trainer_updates_as_the_eager_one(tmp_path):
+    # compile: the trainer's forward and backward through torch.compile (inductor on CPU here);
+    # the first step samples from the same weights, so its rollouts and rewards are equal, and
+    # its update equals the eager one up to the compiled kernels' rounding.
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for mode in (False, True):
+        said, graphs = [], counters["stats"]["unique_graphs"]
+        run_rl(tiny_config(tmp_path / str(mode), steps=2, eval_every=0, compile=mode),
+               log=said.append)
+        runs[mode] = [r for r in read_metrics(tmp_path / str(mode) / "quads") if r["step"] > 0]
+        assert any("through torch.compile" in s for s in said) == mode
+        assert (counters["stats"]["unique_graphs"] > graphs) == mode  # compiled, or not at all
+    (eager, compiled) = runs[False][0], runs[True][0]
+    assert eager["reward"] == compiled["reward"]
+    for key in ("loss", "grad_norm", "k3", "logp_diff_max"):
+        assert compiled[key] == pytest.approx(eager[key], rel=1e-3, abs=1e-6), key
+    assert len(runs[True]) == 2
+
+
+def test_cuda_graph_compile_modes_are_refused_in_rl_configs():
+    with pytest.raises(ValueError, match="compile"):
+        RLConfig(compile="reduce-overhead")
+    with pytest.raises(ValueError, match="compile must be"):
+        RLConfig(compile="fast")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config_fields import check_float, check_int, check_keys, read_yaml, suggest
+from ..train.config import check_compile
 from .fast_rollout import ENGINES
 from .rollout import PRECISIONS
 from .schedule import OFF_POLICY
@@ -74,6 +75,9 @@ class RLConfig:
     prompts_per_step: int = 16
     group_size: int = 8
     micro_batch_size: int = 64  # sequences per trainer forward (halved while out of memory)
+    # The trainer's forward (and so its backward) through torch.compile: true, or a mode
+    # without CUDA graphs; false: eager. Fewer launches; sums may round differently from eager.
+    compile: bool | str = False
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -136,6 +140,7 @@ class RLConfig:
                              f"{self.compensation!r}")
         if self.correction_cap <= 0:
             raise ValueError("correction_cap must be > 0")
+        check_compile(self.compile)
         check_policy(self.policy)
         if self.engine == "fast" and not is_gpt_policy(self.policy):
             raise ValueError(f"engine 'fast' runs fp4stack GPT policies only, not policy.kind "

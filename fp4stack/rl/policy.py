@@ -84,8 +84,9 @@ def step(model: nn.Module, idx: Tensor, mask: Tensor, cache: Any) -> Tensor:
 
 
 def forward_logits(model: nn.Module, tokens: Tensor, mask: Tensor) -> Tensor:
-    """Logits [B, L, V] of a whole left-padded batch (no cache)."""
-    if isinstance(model, GPT):
+    """Logits [B, L, V] of a whole left-padded batch (no cache); `model` may be a policy
+    through torch.compile."""
+    if isinstance(getattr(model, "_orig_mod", model), GPT):
         logits, _ = model(tokens, attention_mask=mask)
         return logits
     return model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions(mask),

@@ -27,6 +27,7 @@ from ..device import resolve_device
 from ..files import make_output_dir
 from ..train.determinism import deterministic_algorithms
 from ..train.metrics import MetricsLogger
+from ..train.run import compile_for_training
 from . import policy as lm
 from .config import RLConfig
 from .fast_rollout import FastRolloutEngine, build_engine
@@ -161,6 +162,7 @@ class RunParts:
     engine_device: torch.device
     opt: torch.optim.Optimizer
     ref: nn.Module | None
+    step_model: nn.Module | None = None  # what the update's forwards call: model, or compiled
 
 
 def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=print
@@ -189,7 +191,8 @@ def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=p
     if cfg.trainer != "bf16":
         quantize_model(model, cfg.trainer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return RunParts(task, model, tokenizer, engine, engine_device, opt, ref)
+    return RunParts(task, model, tokenizer, engine, engine_device, opt, ref,
+                    compile_for_training(model, cfg.compile))
 
 
 def start_engine(cfg: RLConfig, parts: RunParts, log=print) -> None:
@@ -242,7 +245,9 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     log(f"rl: task {cfg.task}, rollout {cfg.rollout} (engine {kind} on {engine_device}"
         f"{', one step ahead' if cfg.off_policy else ''}), trainer {cfg.trainer} on {device}, "
         f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "
-        f"samples, {cfg.steps} steps, out {out}")
+        f"samples, {cfg.steps} steps"
+        + ("" if cfg.compile is False else ", trainer forward through torch.compile")
+        + f", out {out}")
     start_engine(cfg, parts, log)
     start_digest = weights_digest(model)
     log(f"rl: start weights {start_digest}")
@@ -265,7 +270,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
             rewards = rollout_rewards(task, tokenizer, rollout, group)
             adv = group_advantages(rewards, cfg.group_size)
             t_train = time.perf_counter()
-            lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref, log)
+            lp, entropy, stats = train_step(model, opt, rollout, adv, cfg, ref, log,
+                                            forward=parts.step_model)
             if stats["micro_batch_size"] != cfg.micro_batch_size:  # what fits, from now on
                 cfg = cfg.with_overrides(micro_batch_size=int(stats["micro_batch_size"]))
             mism = mismatch_metrics(lp, rollout.logprobs, rollout.response_mask)  # syncs

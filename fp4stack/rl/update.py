@@ -32,18 +32,21 @@ def trainer_autocast(cfg: RLConfig, device: torch.device):
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
-               advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None, log=print
+               advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None, log=print,
+               forward: nn.Module | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """One GRPO update over the rollout in micro-batches. Returns the trainer's log-probs
     [B, L] (detached), per-token entropy [B, L] and the loss stats; stats["micro_batch_size"]
     is the size the gradients fit at: when a micro-batch runs out of device memory, the
     gradients are accumulated again from zero at half the size (down to 1), which gives the
     same update summed in more pieces, and the caller can keep the smaller size. The
-    optimizer steps once, after the gradients are complete."""
+    optimizer steps once, after the gradients are complete. `forward`: the module the
+    forwards call, model itself (the default) or it through torch.compile."""
     size = cfg.micro_batch_size
     while True:
         try:
-            lps, ents, stats = _accumulate(model, opt, rollout, advantages, cfg, ref, size)
+            lps, ents, stats = _accumulate(model if forward is None else forward, opt, rollout,
+                                           advantages, cfg, ref, size)
             break
         except torch.OutOfMemoryError:
             if size == 1:

@@ -61,6 +61,17 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def check_compile(value: bool | str) -> None:
+    """A config's `compile`: true, false or a torch.compile mode without CUDA graphs."""
+    if value in CUDA_GRAPH_MODES:
+        raise ValueError(f"compile: {value} replays the training step as CUDA graphs, whose "
+                         "backward read overwritten forward outputs on the H200 (torch 2.11); "
+                         "use compile: true, or max-autotune-no-cudagraphs")
+    if value not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"compile must be true, false or a torch.compile mode "
+                         f"{list(COMPILE_MODES)}, got {value!r}")
+
+
 @dataclass
 class PretrainConfig:
     """One pretraining run. Batch sizes count sequences of seq_len tokens."""
@@ -166,13 +177,7 @@ class PretrainConfig:
         for name in ("data", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
-        if self.compile in CUDA_GRAPH_MODES:
-            raise ValueError(f"compile: {self.compile} replays the training step as CUDA graphs, "
-                             "whose backward read overwritten forward outputs on the H200 "
-                             "(torch 2.11); use compile: true, or max-autotune-no-cudagraphs")
-        if self.compile not in (False, True, *COMPILE_MODES):
-            raise ValueError(f"compile must be true, false or a torch.compile mode "
-                             f"{list(COMPILE_MODES)}, got {self.compile!r}")
+        check_compile(self.compile)
         for name in ("tensorboard", "deterministic", "weight_flips"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

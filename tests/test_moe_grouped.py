@@ -101,6 +101,14 @@ def test_combine_kernel_equals_the_torch_reference(t, k, d, dtype, zeros):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 vs +0.0 too
 
 
+def test_combine_refuses_mismatched_shapes():
+    idx = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="combine"):
+        moe_align.combine(torch.zeros(5, 4), torch.ones(3, 2), idx)
+    with pytest.raises(ValueError, match="combine"):
+        moe_align.combine(torch.zeros(6, 4), torch.ones(3, 1), idx)
+
+
 def test_group_amax_is_the_amax_of_each_groups_rows():
     x = torch.randn(5, 24)
     x[3, 7] = -40.0

@@ -60,6 +60,9 @@ def test_apply_rope_takes_the_kernel_only_without_autograd(monkeypatch):
 def test_unsupported_inputs_are_refused_by_name():
     x, cos, sin = case(1, 2, 2, 8, per_row=False, strided=False)
     assert not rope.supported(x.double(), cos)
+    assert not rope.supported(x, cos[:1])  # positions for another length
+    assert not rope.supported(x, torch.cat([cos[None]] * 3))  # for another batch
+    assert rope.supported(x, cos) and rope.supported(x, cos[None])
     with pytest.raises(ValueError, match="rope kernel"):
         rope.apply_rope(x[..., :7], cos[..., :7], sin[..., :7])
 

@@ -175,6 +175,9 @@ def combine(y: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> to
     interpreter), where the torch reference (`combine_reference`) takes seven; a token's
     experts are distinct, as top-k routing gives them (ties would be added in choice order)."""
     t, k = indices.shape
+    if y.dim() != 2 or y.shape[0] != t * k or weights.shape != indices.shape:
+        raise ValueError(f"combine: y {tuple(y.shape)} must be [T*k, D] and weights "
+                         f"{tuple(weights.shape)} [T, k] for indices {tuple(indices.shape)}")
     if not (t and k <= MAX_COMBINE_K and (y.is_cuda or interpreted())):
         return combine_reference(y, weights, indices)
     d = y.shape[-1]

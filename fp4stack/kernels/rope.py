@@ -47,9 +47,13 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, ROWS, S, H, sxb, sxs, sxh, scb
 
 
 def supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether `apply_rope` takes these tensors (else the torch form does)."""
-    return (x.dim() == 4 and x.dtype in DTYPES and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
-            and cos.dtype == torch.float32 and cos.dim() in (2, 3) and x.numel() > 0)
+    """Whether `apply_rope` takes these tensors (else the torch form does, which also names a
+    shape mismatch): cos / sin must be [S, hd], [1, S, hd] or [B, S, hd] for x [B, S, H, hd]."""
+    if not (x.dim() == 4 and x.dtype in DTYPES and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
+            and cos.dtype == torch.float32 and cos.dim() in (2, 3) and x.numel() > 0):
+        return False
+    B, S, _, hd = x.shape
+    return tuple(cos.shape[-2:]) == (S, hd) and (cos.dim() == 2 or cos.shape[0] in (1, B))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -181,7 +181,9 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                 if args.profile and name != "reference" and device.type == "cuda":
                     r["profile"] = step_profile(functools.partial(generate, prompts, g), n)
                 steps_s = bandwidth / weights
+                compensated = engine.recipe is not None and engine.recipe.compensation is not None
                 emit({"shape": shape, "precision": label, "engine": name, "batch": batch,
+                      "compensation": args.compensation if compensated else None,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,
                       "kv_mb": kv / 1e6, "roofline_tokens_per_s": batch * steps_s,
                       "roofline_kv_tokens_per_s": batch * bandwidth / (weights + kv),

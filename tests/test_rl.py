@@ -539,3 +539,24 @@ def test_cuda_graph_compile_modes_are_refused_in_rl_configs():
         RLConfig(compile="reduce-overhead")
     with pytest.raises(ValueError, match="compile must be"):
         RLConfig(compile="fast")
+
+
+def test_a_bf16_engine_keeps_its_routers_float32_and_refits_them():
+    # Routers are never quantized and compute in float32: an engine in bfloat16 keeps their
+    # gate weights as the trainer's float32 masters, in storage of its own.
+    torch.manual_seed(0)
+    policy = GPT(GPTConfig.tiny_moe(n_experts=4))
+    engine = RolloutEngine(policy, TOK, "nvfp4", dtype=torch.bfloat16)
+
+    def gates(model):
+        return [p for n, p in model.named_parameters() if ".router." in n]
+
+    assert gates(engine.model) and all(p.dtype == torch.float32 for p in gates(engine.model))
+    assert next(engine.model.model.layers[0].self_attn.parameters()).dtype == torch.bfloat16
+    for mine, master in zip(gates(engine.model), gates(policy), strict=True):
+        assert torch.equal(mine, master) and mine.data_ptr() != master.data_ptr()
+    with torch.no_grad():
+        for p in gates(policy):
+            p.add_(1e-3)  # below bfloat16's resolution at these magnitudes
+    engine.sync(policy)
+    assert all(torch.equal(a, b) for a, b in zip(gates(engine.model), gates(policy), strict=True))

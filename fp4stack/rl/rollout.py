@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..convert import quantize_model
-from ..nn.moe import record_routing
+from ..nn.moe import Router, record_routing
 from ..nn.recipe import recipe as get_recipe
 from . import policy as lm
 from .sync import export_weights, load_weights
@@ -121,6 +121,20 @@ def _drop_forward_results(model: nn.Module) -> None:
                 setattr(module, name, None)
 
 
+def _keep_routers_float32(copy_: nn.Module, original: nn.Module) -> None:
+    # fp4stack's MoE routers compute in float32 and are never quantized (convert.py): their
+    # gate weights rounded to the engine's dtype would move routing logits by that rounding,
+    # flipping near-tied experts against the trainer's float32 masters. (Hugging Face routers
+    # multiply in the activations' dtype, so they keep the engine's.)
+    originals = dict(original.named_modules())
+    for name, module in copy_.named_modules():
+        if isinstance(module, Router) and name in originals:
+            for pname, p in module.named_parameters():
+                master = originals[name].get_parameter(pname)
+                dtype = torch.promote_types(master.dtype, torch.float32)
+                p.data = master.detach().to(p.device, dtype, copy=True)  # not the trainer's
+
+
 def _restore_constants(copy_: nn.Module, original: nn.Module) -> None:
     # Non-persistent buffers are computed constants (HF's rotary inv_freq): a BF16 copy of them
     # would shift positions, a mismatch that has nothing to do with the GEMM precision.
@@ -162,6 +176,7 @@ class RolloutEngine:
         if dtype is not None:
             self.model.to(dtype)  # before packing: packed data, scales and amax keep their dtypes
             _restore_constants(self.model, model)
+            _keep_routers_float32(self.model, model)
         self.recipe = None
         self.amax_groups: list[list[str]] = []
         if PRECISIONS[precision] is not None:

@@ -307,7 +307,7 @@ def compile_check(quick: bool) -> list[str]:
                  dict(HALF=32, BLOCK_R=64, BLOCK_D=32)))
     for k in (2,) if quick else (2, 8):  # the combine of each token's k outputs
         jobs.append((f"moe combine k={k}", moe_align.combine_kernel, 4, None,
-                     dict(K=k, BLOCK_D=1024)))
+                     dict(K=k, KP=k, BLOCK_D=1024)))
     ptrs.update(tiles_ptr="*i32", q_ptr="*bf16", sums_ptr="*fp32", norms_ptr="*fp32",
                 tile_group_ptr="*i32", keep_ptr="*u8", ids_ptr="*i64", expert_tiles_ptr="*i32",
                 y_ptr="*bf16", gates_ptr="*fp32", experts_ptr="*i64", sum_ptr="*fp32",

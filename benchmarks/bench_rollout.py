@@ -156,8 +156,8 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
         variants = [("fast", engine)] + [
             (name, FastRolloutEngine(base, tok, precision, **options, **kw))
             for name, options in engine_variants(args)]
-        static = (args.compensation_mode == "static" and engine.recipe is not None
-                  and engine.recipe.compensation is not None)
+        compensated = engine.recipe is not None and engine.recipe.compensation is not None
+        static = args.compensation_mode == "static" and compensated
         if static:  # channels fixed once, from random sequences of the prompt's length
             calibration = torch.randint(1, cfg.vocab_size, (8, args.prompt), generator=g,
                                         device=device).tolist()
@@ -181,7 +181,6 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                 if args.profile and name != "reference" and device.type == "cuda":
                     r["profile"] = step_profile(functools.partial(generate, prompts, g), n)
                 steps_s = bandwidth / weights
-                compensated = engine.recipe is not None and engine.recipe.compensation is not None
                 emit({"shape": shape, "precision": label, "engine": name, "batch": batch,
                       "compensation": args.compensation if compensated else None,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,

@@ -165,7 +165,7 @@ def group_amax(rows: torch.Tensor, row_div: int, group: torch.Tensor,
     return out.view(torch.float32)
 
 
-MAX_COMBINE_K = 16  # the kernel orders a token's k choices by static loops, k^2 compares
+MAX_COMBINE_K = 16  # the kernel ranks a token's k choices by a [k, k] comparison
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -185,33 +185,28 @@ def combine(y: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> to
     block_d = min(1024, triton.next_power_of_2(d))
     combine_kernel[(t, triton.cdiv(d, block_d))](
         y.contiguous(), weights.contiguous(), indices.contiguous(), out, d, K=k,
-        BLOCK_D=block_d, num_warps=4, **_launch_options())
+        KP=max(2, triton.next_power_of_2(k)), BLOCK_D=block_d, num_warps=4, **_launch_options())
     return out
 
 
 @triton.jit
 def combine_kernel(y_ptr, gates_ptr, experts_ptr, sum_ptr, D, K: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   KP: tl.constexpr, BLOCK_D: tl.constexpr):
     """sum[t, block] = (0 + p_(1)) + p_(2) + ..., p_(r) = float32(y[t * K + j]) * gates[t, j]
-    for the choice j of rank r by its expert (experts[t, j]; ties: choice order)."""
+    for the choice j of rank r by its expert (experts[t, j]; ties: choice order); KP: K's
+    next power of two."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = d < D
+    j = tl.arange(0, KP)
+    e = tl.load(experts_ptr + t * K + j, mask=j < K, other=0)
+    # rank[j]: the choices before j in expert order (a lower expert, or the same one earlier)
+    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))
+    rank = tl.sum((before & (j[None, :] < K)).to(tl.int32), axis=1)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for r in tl.static_range(K):
-        src = 0
-        w = tl.load(gates_ptr + t * K).to(tl.float32)
-        for j in tl.static_range(K):
-            e_j = tl.load(experts_ptr + t * K + j)
-            rank = 0
-            for i in tl.static_range(K):
-                e_i = tl.load(experts_ptr + t * K + i)
-                if i < j:
-                    rank += (e_i <= e_j).to(tl.int32)
-                elif i > j:
-                    rank += (e_i < e_j).to(tl.int32)
-            src = tl.where(rank == r, j, src)
-            w = tl.where(rank == r, tl.load(gates_ptr + t * K + j).to(tl.float32), w)
+        src = tl.sum(tl.where((rank == r) & (j < K), j, 0), axis=0)
+        w = tl.load(gates_ptr + t * K + src).to(tl.float32)
         p = tl.load(y_ptr + (t * K + src) * D + d, mask=ok, other=0.0).to(tl.float32) * w
         acc = p + 0.0 if r == 0 else acc + p  # the loop's zeros + first term: -0.0 -> +0.0
     tl.store(sum_ptr + t * D + d, acc, mask=ok)

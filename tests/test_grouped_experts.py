@@ -2,6 +2,8 @@
 against its reference, the per-expert loop: the same loss and gradient bits for round-to-nearest
 recipes, including an expert without tokens, a calibrated static activation amax and autocast."""
 
+import copy
+
 import pytest
 import torch
 
@@ -28,13 +30,14 @@ def model_for(name: str, static: bool = False) -> GPT:
     return model
 
 
-def step(model: GPT, loop: bool, autocast: bool = False):
+def step(model: GPT, loop: bool, autocast: bool = False, device: str = "cpu"):
+    model.to(device)
     if loop:  # the reference: every Experts module takes its per-expert loop
         for m in model.modules():
             if isinstance(m, Experts):
                 m.sorted_operands = lambda: None
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        _, loss = model(tokens(), tokens())
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        _, loss = model(tokens().to(device), tokens().to(device))
     loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()]
 
@@ -81,3 +84,51 @@ def test_eager_reads_each_blocks_counts_on_the_host_once(monkeypatch):
     step(model, loop=False)
     blocks = sum(isinstance(m, MoEBlock) for m in model.modules())
     assert blocks > 0 and seen == [True] * (4 * blocks)
+
+
+def test_plain_experts_take_one_grouped_gemm_and_no_host_read(monkeypatch):
+    # Plain experts (the bf16 trainer's) run each projection as one torch._grouped_mm, forward
+    # and backward, with no host read of the counts; their bits are the loop's on the CPU
+    # (test_sorted_path_gives_the_loops_bits).
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ge, "_rows", lambda *a: pytest.fail("the per-expert loop ran"))
+    model = model_for("bf16")
+    step(model, loop=False)
+    blocks = sum(isinstance(m, MoEBlock) for m in model.modules())
+    assert blocks > 0 and len(calls) == 6 * blocks  # 2 projections x (forward, dx, dw)
+
+
+@pytest.mark.parametrize("shape,dtype,runs", [
+    ((4, 64, 32), torch.float32, True), ((4, 64, 32), torch.bfloat16, True),
+    ((4, 64, 30), torch.float32, False),  # rows of 120 bytes: not 16-byte aligned
+    ((4, 60, 32), torch.bfloat16, False), ((4, 64, 32), torch.float64, False)])
+def test_grouped_mm_runs_only_where_torch_has_it(shape, dtype, runs):
+    assert ge.grouped_mm_runs(torch.empty(shape), dtype) is runs
+
+
+def test_unaligned_plain_experts_take_each_experts_gemm(monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny_moe(n_experts=6, moe_hidden=30))  # down's rows: 120 bytes
+    experts = model.model.layers[0].mlp.experts
+    assert ge.grouped_mm_runs(experts.gate_up_proj, torch.float32)
+    assert not ge.grouped_mm_runs(experts.down_proj, torch.float32)
+    reference = copy.deepcopy(model)
+    seen, real = [], ge._rows
+    monkeypatch.setattr(ge, "_rows", lambda *a: seen.append(1) or real(*a))
+    loss, grads = step(model, loop=False)
+    assert len(seen) == 2 * len(model.model.layers)  # down's forward and backward
+    loss_ref, grads_ref = step(reference, loop=True)
+    assert torch.equal(loss, loss_ref)  # gradients: up to the order of the input-grad sums
+    for a, b in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_plain_experts_on_cuda_close_to_the_loop():
+    # On sm90 in bfloat16 torch._grouped_mm's kernel is not cuBLAS's: close, not the same bits.
+    (loss_a, grads_a), (loss_b, grads_b) = (step(model_for("bf16"), loop, True, "cuda")
+                                            for loop in (True, False))
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-2, atol=0)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2 * a.abs().max().item())

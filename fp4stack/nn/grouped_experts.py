@@ -6,9 +6,12 @@ pairs are sorted by expert on the device and one op per projection runs every ex
 its own rows; the counts are read inside the op, which torch.compile sees as one node whose
 output shape ([pairs, out]) does not depend on the routing. Each expert's GEMMs are the loop's
 (`quant_linear`'s numerics: the same operands, quantizations and products), so an RNE recipe
-gives the loop's bits. Stochastic roundings take their seeds from one [E, 6] draw in the
-forward (one seed per expert and operand), so the backward draws nothing and a compiled step
-repeats an eager one bit for bit; their draws are not the loop's.
+gives the loop's bits. Plain experts (no recipe) run each GEMM as one torch._grouped_mm where
+its operands are 16-byte aligned, with no host read of the counts: on the CPU with the loop's
+bits, on sm90 in bfloat16 with a grouped kernel's (close to cuBLAS's, not equal). Stochastic
+roundings take their seeds from one [E, 6] draw in the forward (one seed per expert and
+operand), so the backward draws nothing and a compiled step repeats an eager one bit for bit;
+their draws are not the loop's.
 """
 
 from __future__ import annotations
@@ -61,6 +64,23 @@ def _rows(counts: torch.Tensor, host_counts: list[int] | None = None):
         start += n
 
 
+def grouped_mm_runs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm computes plain experts of `weight` [E, O, K] in `dtype`, all in
+    one call per GEMM: its rows must be 16-byte aligned, and on CUDA only bfloat16 on sm90+ has
+    a grouped kernel (elsewhere each expert's GEMM is launched on its own)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if (getattr(torch, "_grouped_mm", None) is None or (weight.shape[1] * size) % 16
+            or (weight.shape[2] * size) % 16):
+        return False
+    if weight.device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device) >= (9, 0)
+    return weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    return counts.cumsum(0, dtype=torch.int32)  # each expert's end row, as _grouped_mm takes them
+
+
 def _seed(seeds, e: int, name: str):
     return None if seeds is None else seeds[e, _OPERANDS.index(name)]
 
@@ -88,6 +108,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
     if specs is None:  # the casts once for all experts: elementwise, so the same values
         x_low, w_low = x.to(dtype), weight.to(dtype)
+        if grouped_mm_runs(weight, dtype):
+            return torch._grouped_mm(x_low, w_low.transpose(-2, -1), offs=_offsets(counts))
         for e, rows in _rows(counts, host_counts):
             y[rows] = x_low[rows] @ w_low[e].t()
         return y
@@ -116,6 +138,11 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
         # casts once for all experts (elementwise: the same values) and dw in dy's dtype until
         # the end, as each expert's product was cast on its own
         x_low, w_low = x.to(dy.dtype), weight.to(dy.dtype)
+        if grouped_mm_runs(weight, dy.dtype):  # dw as xᵀ·dy, the loop's product, transposed
+            dy, offs = dy.contiguous(), _offsets(counts)  # the op refuses expanded strides
+            dw = torch._grouped_mm(x_low.t(), dy, offs=offs).transpose(-2, -1)
+            return (torch._grouped_mm(dy, w_low, offs=offs).to(x.dtype),
+                    torch.empty_like(weight).copy_(dw))
         dw_low = torch.zeros_like(weight, dtype=dy.dtype)
         for e, rows in _rows(counts, host_counts):
             dye = dy[rows]
@@ -203,8 +230,9 @@ def grouped_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     amax = (None, None) if x_amax is None else x_amax.unbind(0)
     # Eager, the counts are read on the host once for the block's four GEMM ops (forward and
     # backward of both projections), each a device sync otherwise; a compiled graph keeps the
-    # read inside the ops.
-    host = None if torch.compiler.is_compiling() else counts.tolist()
+    # read inside the ops, and torch._grouped_mm needs none.
+    grouped_mm = recipe is None and grouped_mm_runs(stacks[0], _compute_dtype(xs))
+    host = None if torch.compiler.is_compiling() or grouped_mm else counts.tolist()
     # Each GEMM in the dtype quant_linear would use (autocast's), its output left in it.
     h = grouped_linear(xs, stacks[0], counts, amax[0], seeds[0], key, _compute_dtype(xs), host)
     gate, up = h.chunk(2, dim=-1)

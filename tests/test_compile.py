@@ -71,6 +71,16 @@ def test_moe_gpt_trains_as_one_graph(name):
     assert_one_graph(lambda x: model(x, x)[1], x)
 
 
+def test_padded_moe_gpt_trains_as_one_graph():
+    # Left-padded rows, as the RL trainer scores them: the aux loss masks the pads rather than
+    # selecting the real rows (a data-dependent shape).
+    model, x = gpt("bf16", moe=True), tokens()
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[0, :5] = False
+    assert_one_graph(lambda x: model(x, attention_mask=mask)[0].float().square().mean()
+                     + model.aux_loss, x)
+
+
 def test_quantized_hf_llama_trains_as_one_graph():
     loss_fn, _ = llama("nvfp4")
     assert_one_graph(loss_fn, tokens())

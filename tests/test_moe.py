@@ -132,6 +132,24 @@ def test_aux_loss_against_hand_formula():
     assert uniform.item() == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_aux_loss_of_the_real_tokens_is_the_loss_of_those_rows(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(20, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    indices = torch.randn(20, 6, generator=g).topk(2, dim=-1).indices
+    real = torch.rand(20, generator=g) < 0.6
+    masked = load_balance_loss(logits, indices, 6, real)
+    rows = load_balance_loss(logits[real], indices[real], 6)
+    torch.testing.assert_close(masked, rows, rtol=1e-12, atol=0)
+    (g_masked,), (g_rows,) = (torch.autograd.grad(v, logits) for v in (masked, rows))
+    torch.testing.assert_close(g_masked, g_rows, rtol=1e-12, atol=1e-15)
+    assert g_masked[~real].abs().max() == 0  # pads get no gradient
+    everything = load_balance_loss(logits, indices, 6, torch.ones(20, dtype=torch.bool))
+    torch.testing.assert_close(everything, load_balance_loss(logits, indices, 6), rtol=1e-12,
+                               atol=0)
+    assert load_balance_loss(logits, indices, 6, torch.zeros(20, dtype=torch.bool)) == 0
+
+
 def test_block_stores_aux_loss():
     block = make_block()
     x = torch.randn(20, D, dtype=torch.float64)

@@ -28,7 +28,6 @@ from ..nn.moe import (
     Experts,
     KeepsAuxLoss,
     MoEBlock,
-    load_balance_loss,
     record_routing,
     replay_routing,
 )
@@ -224,31 +223,13 @@ class Block(nn.Module):
                              cfg.norm_topk_prob) if cfg.moe else MLP(cfg.dim, cfg.ffn_hidden))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                mask: Tensor | None = None, real_rows: Tensor | None = None) -> Tensor:
-        """real_rows: the flat indices of the real tokens the MoE aux loss counts (None: all)."""
+                mask: Tensor | None = None, real: Tensor | None = None) -> Tensor:
+        """real [B, S] bool: the real tokens the MoE aux loss balances (None: all)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         h = self.post_attention_layernorm(x)
-        if real_rows is None or not isinstance(self.mlp, MoEBlock):
+        if real is None or not isinstance(self.mlp, MoEBlock):
             return x + self.mlp(h)
-        return x + _moe_real_tokens_aux_loss(self.mlp, h, real_rows)
-
-
-def _moe_real_tokens_aux_loss(moe: MoEBlock, h: Tensor, real_rows: Tensor) -> Tensor:
-    """moe(h) for h [B, S, D], its aux loss recomputed over the real tokens (flat real_rows)."""
-    # Every token, pads included, goes through the block, so routing records keep their
-    # [B, S, k] shape; a hook on the router catches its logits and choices to drop the pads.
-    routed: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
-    handle = moe.router.register_forward_hook(lambda _m, _args, out: routed.update(out=out))
-    try:
-        y = moe(h)
-    finally:
-        handle.remove()
-    _, indices, logits = routed["out"]
-    # All pads: keep the block's own loss, finite if meaningless; no pads: it is the same.
-    if 0 < real_rows.numel() < indices.shape[0]:
-        keep = (logits.index_select(0, real_rows), indices.index_select(0, real_rows))
-        moe.aux_loss = load_balance_loss(*keep, moe.router.n_experts)
-    return y
+        return x + self.mlp(h, real)
 
 
 def padded_causal_mask(real: Tensor, new: int) -> Tensor:
@@ -278,7 +259,7 @@ class Transformer(nn.Module):
         if start + S > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + S} tokens exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
-        mask = real_rows = None
+        mask = real = None
         if attention_mask is None:
             positions = torch.arange(start, start + S, device=idx.device)
         else:
@@ -289,13 +270,11 @@ class Transformer(nn.Module):
             # A real token's position counts the real tokens before it; pads clamp to 0.
             positions = (real_all.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
             mask = padded_causal_mask(real_all, S)
-            # The real tokens the MoE aux loss counts, found once (a host sync) for all blocks.
-            if torch.is_grad_enabled() and any(isinstance(b.mlp, MoEBlock) for b in self.layers):
-                real_rows = real_all[:, start:].reshape(-1).nonzero().squeeze(1)
+            real = real_all[:, start:]  # the tokens the MoE aux loss balances
         cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real_rows)
+            x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real)
         return self.norm(x)
 
     def forward_at(self, idx: Tensor, positions: Tensor, mask: Tensor, caches: list,

@@ -26,21 +26,29 @@ from .grouped_experts import grouped_forward
 from .linear import fused_inference_ok
 
 
-def load_balance_loss(logits: Tensor, indices: Tensor, n_experts: int) -> Tensor:
+def load_balance_loss(logits: Tensor, indices: Tensor, n_experts: int,
+                      real: Tensor | None = None) -> Tensor:
     """Switch/Mixtral auxiliary loss E * sum_e f_e * P_e.
 
     f_e is the fraction of tokens routed to expert e (counting each of a token's k choices, so the
     f_e sum to k) and P_e the mean router probability of e. This is the normalisation of Hugging
     Face's `load_balancing_loss_func`, so its `router_aux_loss_coef` values carry over; perfectly
-    uniform routing gives k. Only P_e carries gradient (to the router).
+    uniform routing gives k. Only P_e carries gradient (to the router). `real` [T] bool counts
+    only those tokens (pads are routed but not balanced); none real gives 0.
     """
     probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
     # Counted by comparison: bincount's output length depends on the data (torch.compile
     # cannot trace it), and a scatter would not be deterministic on CUDA.
     experts = torch.arange(n_experts, device=indices.device)
-    counts = (indices.flatten()[:, None] == experts).sum(0).to(probs.dtype)
-    frac = counts / indices.shape[0]
-    return n_experts * (frac * probs.mean(dim=0)).sum()
+    chosen = (indices[..., None] == experts).sum(1).to(probs.dtype)  # [T, E]
+    if real is None:
+        frac = chosen.sum(0) / indices.shape[0]
+        return n_experts * (frac * probs.mean(dim=0)).sum()
+    # A mask, not the real rows selected: their count would be data-dependent (a host sync,
+    # and a graph break under torch.compile).
+    w = real.to(probs.dtype)[:, None]
+    n = w.sum().clamp(min=1)
+    return n_experts * ((chosen * w).sum(0) / n * ((probs * w).sum(0) / n)).sum()
 
 
 class Router(nn.Module):
@@ -194,7 +202,9 @@ class MoEBlock(KeepsAuxLoss):
         self.replay_indices: Tensor | None = None
         self._recorded: list[Tensor] | None = None  # a list while record_routing is active
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, real: Tensor | None = None) -> Tensor:
+        """x [..., D] -> y [..., D]; real (x's leading shape, bool): the tokens the aux loss
+        balances (None: all; pads are routed all the same)."""
         lead, k = x.shape[:-1], self.router.top_k
         flat = x.reshape(-1, x.shape[-1])
         forced = None
@@ -206,7 +216,8 @@ class MoEBlock(KeepsAuxLoss):
         weights, indices, logits = self.router(flat, forced)
         # Only training needs the aux loss, and its bincount reads the device back: inference
         # (grad mode off) leaves None, so a forward has no host sync.
-        self.aux_loss = (load_balance_loss(logits, indices, self.router.n_experts)
+        self.aux_loss = (load_balance_loss(logits, indices, self.router.n_experts,
+                                           None if real is None else real.reshape(-1))
                          if torch.is_grad_enabled() else None)
         if self._recorded is not None:
             self._recorded.append(indices.detach().reshape(*lead, k))

@@ -81,6 +81,12 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0, dtype=torch.int32)  # each expert's end row, as _grouped_mm takes them
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # CUDA's _grouped_mm refuses operands whose data does not start on 16 bytes (a view at an
+    # offset); its CPU fallback takes them.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _seed(seeds, e: int, name: str):
     return None if seeds is None else seeds[e, _OPERANDS.index(name)]
 
@@ -109,7 +115,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     if specs is None:  # the casts once for all experts: elementwise, so the same values
         x_low, w_low = x.to(dtype), weight.to(dtype)
         if grouped_mm_runs(weight, dtype):
-            return torch._grouped_mm(x_low, w_low.transpose(-2, -1), offs=_offsets(counts))
+            return torch._grouped_mm(_aligned(x_low), _aligned(w_low).transpose(-2, -1),
+                                     offs=_offsets(counts))
         for e, rows in _rows(counts, host_counts):
             y[rows] = x_low[rows] @ w_low[e].t()
         return y
@@ -139,7 +146,8 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
         # the end, as each expert's product was cast on its own
         x_low, w_low = x.to(dy.dtype), weight.to(dy.dtype)
         if grouped_mm_runs(weight, dy.dtype):  # dw as xᵀ·dy, the loop's product, transposed
-            dy, offs = dy.contiguous(), _offsets(counts)  # the op refuses expanded strides
+            dy, offs = _aligned(dy.contiguous()), _offsets(counts)  # not expanded strides
+            x_low, w_low = _aligned(x_low), _aligned(w_low)
             dw = torch._grouped_mm(x_low.t(), dy, offs=offs).transpose(-2, -1)
             return (torch._grouped_mm(dy, w_low, offs=offs).to(x.dtype),
                     torch.empty_like(weight).copy_(dw))

@@ -111,12 +111,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     x_amax [E] a static activation amax per expert, seeds [E, 6] int64 for stochastic specs;
     host_counts the counts as read on the host already (eager callers), or None."""
     specs = _specs(recipe)
+    if specs is None and grouped_mm_runs(weight, dtype):
+        w_t = _aligned(weight.to(dtype)).transpose(-2, -1)
+        return torch._grouped_mm(_aligned(x.to(dtype)), w_t, offs=_offsets(counts))
     y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
     if specs is None:  # the casts once for all experts: elementwise, so the same values
         x_low, w_low = x.to(dtype), weight.to(dtype)
-        if grouped_mm_runs(weight, dtype):
-            return torch._grouped_mm(_aligned(x_low), _aligned(w_low).transpose(-2, -1),
-                                     offs=_offsets(counts))
         for e, rows in _rows(counts, host_counts):
             y[rows] = x_low[rows] @ w_low[e].t()
         return y

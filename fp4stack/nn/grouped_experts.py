@@ -239,8 +239,8 @@ def grouped_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     # Eager, the counts are read on the host once for the block's four GEMM ops (forward and
     # backward of both projections), each a device sync otherwise; a compiled graph keeps the
     # read inside the ops, and torch._grouped_mm needs none.
-    grouped_mm = recipe is None and grouped_mm_runs(stacks[0], _compute_dtype(xs))
-    host = None if torch.compiler.is_compiling() or grouped_mm else counts.tolist()
+    host = None if torch.compiler.is_compiling() or (
+        recipe is None and grouped_mm_runs(stacks[0], _compute_dtype(xs))) else counts.tolist()
     # Each GEMM in the dtype quant_linear would use (autocast's), its output left in it.
     h = grouped_linear(xs, stacks[0], counts, amax[0], seeds[0], key, _compute_dtype(xs), host)
     gate, up = h.chunk(2, dim=-1)

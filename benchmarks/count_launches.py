@@ -1,16 +1,24 @@
-"""Kernel launches of one optimizer step, counted on the CPU: the work a launch-bound step does.
+"""Kernel launches of one optimizer step, or of one decoding step of the fast rollout engine,
+counted on the CPU: the work a launch-bound step does.
 
-A GPU step of Muon4 is bound by its launches (docs/PERFORMANCE.md): thousands of small kernels.
-This counts them without a GPU. The step runs on CPU tensors with the Triton kernels under the
+A GPU step of Muon4 is bound by its launches (docs/PERFORMANCE.md): thousands of small kernels,
+and so is a decoding step of a small MoE policy at a GRPO batch. This counts them without a GPU. The step runs on CPU tensors with the Triton kernels under the
 interpreter (TRITON_INTERPRET=1, set here) standing in for the GPU's, and counts each Triton
 launch and each torch op that computes (views and other metadata-only ops excluded), which on a
 GPU is one kernel each. A count, not a time: the GPU's fusions (cuBLAS epilogues, Inductor)
 are not modelled.
 
     python benchmarks/count_launches.py [--dim 64] [--blocks 7] [--out counts.json]
+    python benchmarks/count_launches.py --decode [--precisions bf16,nvfp4,quads]
 
 The default: the matrices of 7 GPT blocks (49, as bench_optim.py's 100M-parameter set at dim
 1024), at dim 64 so the interpreter takes seconds; the count does not depend on the dim.
+--decode: one decoding step (`FastRolloutEngine._decode`, eager: a CUDA graph replays the same
+launches) of an MoE GPT with the upcycled SmolLM2's block (grouped-query attention, 8 experts
+top-2, tied embeddings) at dim 64, per block (a 2-block model's count less a 1-block one's)
+and outside the blocks. As on CUDA, RoPE takes its kernel and an RMSNorm counts as one launch
+(torch's fused CUDA kernel; on the CPU it decomposes). Ops inside a Triton launch (the
+interpreter's copies of its arguments) are not counted.
 """
 
 from __future__ import annotations
@@ -35,15 +43,16 @@ _VIEWS = {"view", "_unsafe_view", "t", "transpose", "expand", "as_strided", "sel
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the torch ops that compute, by name."""
+    """Counts the torch ops that compute, by name (not while `paused`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        if name not in _VIEWS:
+        if name not in _VIEWS and not self.paused:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -77,12 +86,122 @@ def count_step(make_optimizer, params: list[torch.nn.Parameter]) -> dict:
             "top_torch_ops": counter.ops.most_common(12), "triton": dict(launches)}
 
 
+def _count_generate(engine, prompts: list[list[int]]) -> tuple[Counter, Counter]:
+    """(torch ops, Triton launches) of engine.generate(prompts), the second call (the first
+    builds the engine's static buffers)."""
+    import torch.nn.functional as F
+    from triton.runtime.interpreter import InterpretedFunction
+
+    engine.generate(prompts, torch.Generator().manual_seed(0))
+    counter, launches = OpCounter(), Counter()
+    run, rms_norm = InterpretedFunction.run, F.rms_norm
+
+    def launch(self, *args, **kwargs):
+        launches[self.fn.__name__] += 1
+        counter.paused = True  # the interpreter's copies are not kernels
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            counter.paused = False
+
+    def fused_rms_norm(*args, **kwargs):  # one kernel on CUDA, a decomposition here
+        counter.ops["rms_norm"] += not counter.paused
+        paused, counter.paused = counter.paused, True
+        try:
+            return rms_norm(*args, **kwargs)
+        finally:
+            counter.paused = paused
+
+    InterpretedFunction.run, F.rms_norm = launch, fused_rms_norm
+    try:
+        with counter:
+            engine.generate(prompts, torch.Generator().manual_seed(0))
+    finally:
+        InterpretedFunction.run, F.rms_norm = run, rms_norm
+    return counter.ops, launches
+
+
+def count_decode(precision: str, dim: int) -> dict:
+    """Launches of one decoding step per block and outside the blocks (see the module doc)."""
+    from fp4stack.data.char_tokenizer import CharTokenizer
+    from fp4stack.kernels import rope as rope_kernel
+    from fp4stack.models import gpt as gpt_mod
+    from fp4stack.models.gpt import GPT, GPTConfig
+    from fp4stack.models.rope import apply_rope_reference
+    from fp4stack.nn import operands
+    from fp4stack.rl.fast_rollout import FastRolloutEngine
+
+    def rope_as_on_cuda(x, cos, sin):
+        if not torch.is_grad_enabled() and rope_kernel.supported(x, cos):
+            return rope_kernel.apply_rope(x, cos, sin)
+        return apply_rope_reference(x, cos, sin)
+
+    def step(blocks: int) -> tuple[Counter, Counter]:
+        counts = []
+        for new in (3, 4):  # one decoding step apart, everything else the same
+            torch.manual_seed(0)
+            cfg = GPTConfig(vocab_size=128, dim=dim, n_layers=blocks, n_heads=4, n_kv_heads=2,
+                            ffn_hidden=dim, moe=True, n_experts=8, top_k=2, moe_hidden=dim,
+                            qk_norm=False, tie_embeddings=True, max_seq_len=64)
+            engine = FastRolloutEngine(
+                GPT(cfg), CharTokenizer(), precision, max_new_tokens=new, dtype=torch.bfloat16,
+                compensation=0.5 if precision.startswith("quads") else None,
+                eos_check_every=100)  # no EOS check inside the counted steps
+            counts.append(_count_generate(engine, [[5, 6, 7, 8]] * 4))
+        return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+
+    from fp4stack import ops
+
+    saved = ops.backend_for, operands._FUSED_ON_CPU, gpt_mod.apply_rope
+    ops.backend_for, operands._FUSED_ON_CPU = (lambda device: "triton"), True
+    gpt_mod.apply_rope = rope_as_on_cuda
+    try:
+        (ops1, tl1), (ops2, tl2) = step(1), step(2)
+    finally:
+        ops.backend_for, operands._FUSED_ON_CPU, gpt_mod.apply_rope = saved
+    block_ops, block_tl = ops2 - ops1, tl2 - tl1
+    return {"block": {"torch_ops": sum(block_ops.values()), "triton_launches":
+                      sum(block_tl.values()), "top_torch_ops": block_ops.most_common(12),
+                      "triton": dict(block_tl)},
+            "outside": {"torch_ops": sum((ops1 - block_ops).values()),
+                        "triton_launches": sum((tl1 - block_tl).values()),
+                        "top_torch_ops": (ops1 - block_ops).most_common(12)}}
+
+
+def main_decode(args) -> None:
+    results = {p: count_decode(p, args.dim) for p in args.precisions.split(",")}
+    print(f"One decoding step, per block of the upcycled SmolLM2's structure and outside them; "
+          f"at {args.blocks_total} blocks:")
+    print("| precision | torch ops a block | Triton a block | outside blocks | "
+          f"a step at {args.blocks_total} blocks |\n|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        b, o = r["block"], r["outside"]
+        per_block = b["torch_ops"] + b["triton_launches"]
+        outside = o["torch_ops"] + o["triton_launches"]
+        print(f"| {name} | {b['torch_ops']} | {b['triton_launches']} | {outside} | "
+              f"{per_block * args.blocks_total + outside:,} |")
+    for name, r in results.items():
+        print(f"{name}: a block's torch ops {r['block']['top_torch_ops']}; "
+              f"Triton {r['block']['triton']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dim": args.dim, "decode": results}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=7)
+    ap.add_argument("--decode", action="store_true",
+                    help="count a decoding step of the fast rollout engine instead")
+    ap.add_argument("--precisions", default="bf16,nvfp4,quads",
+                    help="--decode: the engine's rollout precisions")
+    ap.add_argument("--blocks-total", type=int, default=30,
+                    help="--decode: blocks of the policy the step total is given for")
     ap.add_argument("--out", help="write the counts as JSON here")
     args = ap.parse_args()
+    if args.decode:
+        return main_decode(args)
 
     from fp4stack.optim.muon4 import Muon4
 

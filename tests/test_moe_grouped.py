@@ -109,6 +109,24 @@ def test_combine_refuses_mismatched_shapes():
         moe_align.combine(torch.zeros(6, 4), torch.ones(3, 1), idx)
 
 
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 40), k=st.integers(1, 4), d=st.sampled_from([1, 7, 64, 1500]),
+       experts=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       special=st.booleans())
+def test_group_amax_kernel_equals_the_torch_reference(t, k, d, experts, dtype, special):
+    g = torch.Generator().manual_seed(t * 13 + k * 5 + d + experts)
+    x = (torch.randn(t, d, generator=g) * 3).to(DEVICE, dtype)
+    if special:  # -0.0 rows, inf, NaN: the bits' order puts NaN above inf
+        x[0] = -0.0
+        x[-1, -1] = float("-inf")
+        x[t // 2, 0] = float("nan")
+    groups = torch.randint(0, experts, (t * k,), generator=g).to(DEVICE)
+    for rows, div in ((x, k), (x.repeat_interleave(k, dim=0), 1)):  # tokens, or pairs
+        got = moe_align.group_amax(rows, div, groups, experts)
+        want = moe_align.group_amax_reference(rows, div, groups, experts)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_group_amax_is_the_amax_of_each_groups_rows():
     x = torch.randn(5, 24)
     x[3, 7] = -40.0

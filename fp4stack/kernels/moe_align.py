@@ -154,9 +154,41 @@ def align_pairs_reference(indices: torch.Tensor, n_experts: int, block_m: int) -
 def group_amax(rows: torch.Tensor, row_div: int, group: torch.Tensor,
                n_groups: int) -> torch.Tensor:
     """float32 [n_groups]: per group g, max |x| over the pairs p of g of rows[p // row_div], NaN
-    when any is (torch.amax's rule); 0 for an empty group. An integer max over the float32 bits
-    with the sign cleared (ordered like |x|, NaN above inf), through a [pairs, n_groups] mask
-    rather than a scatter: exact, deterministic, and allowed under torch's deterministic mode."""
+    when any is (torch.amax's rule); 0 for an empty group. One Triton launch (and a zeroed
+    output) on CUDA and under the interpreter, where the torch form (`group_amax_reference`)
+    takes nine: each row's maximum as an integer over the float32 bits with the sign cleared
+    (ordered like |x|, NaN above inf), added to its pairs' groups by an atomic max, which
+    gives the same result in any order."""
+    n = rows.shape[0]
+    if not (n and (rows.is_cuda or interpreted())):
+        return group_amax_reference(rows, row_div, group, n_groups)
+    out = torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
+    d = rows.shape[-1]
+    group_amax_kernel[(n,)](rows.contiguous(), group.reshape(-1).contiguous(), out, d,
+                            ROW_DIV=row_div, BLOCK_D=min(1024, triton.next_power_of_2(d)),
+                            num_warps=4, **_launch_options())
+    return out.view(torch.float32)
+
+
+@triton.jit
+def group_amax_kernel(rows_ptr, group_ptr, out_ptr, D, ROW_DIV: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """out[group[r * ROW_DIV + j]] = max(itself, bits of max |rows[r]|) for j < ROW_DIV."""
+    r = tl.program_id(0).to(tl.int64)
+    best = tl.zeros((BLOCK_D,), tl.int32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        v = tl.load(rows_ptr + r * D + d, mask=d < D, other=0.0).to(tl.float32)
+        best = tl.maximum(best, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    row_max = tl.max(best, axis=0)
+    for j in tl.static_range(ROW_DIV):
+        tl.atomic_max(out_ptr + tl.load(group_ptr + r * ROW_DIV + j), row_max)
+
+
+def group_amax_reference(rows: torch.Tensor, row_div: int, group: torch.Tensor,
+                         n_groups: int) -> torch.Tensor:
+    """`group_amax` in torch: through a [pairs, n_groups] mask rather than a scatter, so
+    exact, deterministic, and allowed under torch's deterministic mode."""
     bits = rows.abs().amax(dim=-1).float().view(torch.int32) & 0x7FFFFFFF
     if row_div > 1:
         bits = bits[:, None].expand(-1, row_div).reshape(-1)

@@ -2,10 +2,11 @@
 counted on the CPU: the work a launch-bound step does.
 
 A GPU step of Muon4 is bound by its launches (docs/PERFORMANCE.md): thousands of small kernels,
-and so is a decoding step of a small MoE policy at a GRPO batch. This counts them without a GPU. The step runs on CPU tensors with the Triton kernels under the
-interpreter (TRITON_INTERPRET=1, set here) standing in for the GPU's, and counts each Triton
-launch and each torch op that computes (views and other metadata-only ops excluded), which on a
-GPU is one kernel each. A count, not a time: the GPU's fusions (cuBLAS epilogues, Inductor)
+and so is a decoding step of a small MoE policy at a GRPO batch. This counts them without a
+GPU. The step runs on CPU tensors with the Triton kernels under the interpreter
+(TRITON_INTERPRET=1, set here) standing in for the GPU's, and counts each Triton launch and
+each torch op that computes (views and other metadata-only ops excluded), which on a GPU is one
+kernel each. A count, not a time: the GPU's fusions (cuBLAS epilogues, Inductor)
 are not modelled.
 
     python benchmarks/count_launches.py [--dim 64] [--blocks 7] [--out counts.json]

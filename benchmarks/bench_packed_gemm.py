@@ -218,7 +218,8 @@ def table(rows: list[dict]) -> str:
 def compile_check(quick: bool) -> list[str]:
     """Compile the kernels for sm_90 without a GPU (bf16 activations, packed weights): every
     GEMM_CONFIGS and GROUPED_CONFIGS entry, the split-K reduce, the column norms, the
-    per-row activation quantizer (RNE, 4/6), QUADS's operand, the MoE alignment and combine, RoPE;
+    per-row activation quantizer (RNE, 4/6), QUADS's operand, the MoE alignment, combine and
+    group amax, RoPE;
     `quick`: one of each kind."""
     import triton.language as tl
 
@@ -308,10 +309,13 @@ def compile_check(quick: bool) -> list[str]:
     for k in (2,) if quick else (2, 8):  # the combine of each token's k outputs
         jobs.append((f"moe combine k={k}", moe_align.combine_kernel, 4, None,
                      dict(K=k, KP=k, BLOCK_D=1024)))
+    for row_div in (1, 2):  # the per-expert amax of the tokens (k = 2) or of the pairs
+        jobs.append((f"moe group amax row_div={row_div}", moe_align.group_amax_kernel, 4, None,
+                     dict(ROW_DIV=row_div, BLOCK_D=1024)))
     ptrs.update(tiles_ptr="*i32", q_ptr="*bf16", sums_ptr="*fp32", norms_ptr="*fp32",
                 tile_group_ptr="*i32", keep_ptr="*u8", ids_ptr="*i64", expert_tiles_ptr="*i32",
                 y_ptr="*bf16", gates_ptr="*fp32", experts_ptr="*i64", sum_ptr="*fp32",
-                cos_ptr="*fp32", sin_ptr="*fp32")
+                cos_ptr="*fp32", sin_ptr="*fp32", bits_ptr="*i32")
     ptrs["out_ptr"] = "*bf16"
     lines = []
     for label, fn, warps, stages, consts in jobs:

@@ -171,18 +171,18 @@ def group_amax(rows: torch.Tensor, row_div: int, group: torch.Tensor,
 
 
 @triton.jit
-def group_amax_kernel(rows_ptr, group_ptr, out_ptr, D, ROW_DIV: tl.constexpr,
+def group_amax_kernel(x_ptr, group_ptr, bits_ptr, D, ROW_DIV: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-    """out[group[r * ROW_DIV + j]] = max(itself, bits of max |rows[r]|) for j < ROW_DIV."""
+    """bits[group[r * ROW_DIV + j]] = max(itself, bits of max |x[r]|) for j < ROW_DIV."""
     r = tl.program_id(0).to(tl.int64)
     best = tl.zeros((BLOCK_D,), tl.int32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        v = tl.load(rows_ptr + r * D + d, mask=d < D, other=0.0).to(tl.float32)
+        v = tl.load(x_ptr + r * D + d, mask=d < D, other=0.0).to(tl.float32)
         best = tl.maximum(best, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     row_max = tl.max(best, axis=0)
     for j in tl.static_range(ROW_DIV):
-        tl.atomic_max(out_ptr + tl.load(group_ptr + r * ROW_DIV + j), row_max)
+        tl.atomic_max(bits_ptr + tl.load(group_ptr + r * ROW_DIV + j), row_max)
 
 
 def group_amax_reference(rows: torch.Tensor, row_div: int, group: torch.Tensor,

@@ -534,6 +534,14 @@ def test_a_compiled_trainer_updates_as_the_eager_one(tmp_path):
     assert len(runs[True]) == 2
 
 
+def test_a_compiled_trainer_replays_the_engines_routing(tmp_path):
+    # Routing is replayed on the policy's own MoE blocks, not on the compiled wrapper's
+    # (whose module names carry an "_orig_mod." prefix the engine's routing does not).
+    run_rl(tiny_config(tmp_path, steps=1, eval_every=0, compile=True, routing_replay=True),
+           log=lambda *a: None)
+    assert [r["step"] for r in read_metrics(tmp_path / "quads") if r["step"] > 0] == [1]
+
+
 def test_cuda_graph_compile_modes_are_refused_in_rl_configs():
     with pytest.raises(ValueError, match="compile"):
         RLConfig(compile="reduce-overhead")

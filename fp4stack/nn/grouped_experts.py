@@ -68,9 +68,8 @@ def grouped_mm_runs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm computes plain experts of `weight` [E, O, K] in `dtype`, all in
     one call per GEMM: its rows must be 16-byte aligned, and on CUDA only bfloat16 on sm90+ has
     a grouped kernel (elsewhere each expert's GEMM is launched on its own)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if (getattr(torch, "_grouped_mm", None) is None or (weight.shape[1] * size) % 16
-            or (weight.shape[2] * size) % 16):
+    if (getattr(torch, "_grouped_mm", None) is None or (weight.shape[1] * dtype.itemsize) % 16
+            or (weight.shape[2] * dtype.itemsize) % 16):
         return False
     if weight.device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device) >= (9, 0)
@@ -140,7 +139,6 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     """(dx [N, K] in x's dtype, dweight [E, O, K] in weight's): `_QuantLinearFn.backward` per
     expert, its saved operands re-quantized from x and weight with the forward's seeds."""
     specs = _specs(recipe)
-    dx = torch.zeros_like(x)
     if specs is None:  # autograd's formulas for F.linear, as the plain loop gets them, with the
         # casts once for all experts (elementwise: the same values) and dw in dy's dtype until
         # the end, as each expert's product was cast on its own
@@ -151,13 +149,13 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
             dw = torch._grouped_mm(x_low.t(), dy, offs=offs).transpose(-2, -1)
             return (torch._grouped_mm(dy, w_low, offs=offs).to(x.dtype),
                     torch.empty_like(weight).copy_(dw))
-        dw_low = torch.zeros_like(weight, dtype=dy.dtype)
+        dx, dw_low = torch.zeros_like(x), torch.zeros_like(weight, dtype=dy.dtype)
         for e, rows in _rows(counts, host_counts):
             dye = dy[rows]
             dx[rows] = dye.mm(w_low[e]).to(x.dtype)
             dw_low[e] = x_low[rows].t().mm(dye).t()
         return dx, dw_low.to(weight.dtype)
-    dw = torch.zeros_like(weight)
+    dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
     for e, rows in _rows(counts, host_counts):
         xe, we, dye = x[rows], weight[e], dy[rows]
         if specs["x_wgrad"] is None:

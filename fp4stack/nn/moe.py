@@ -214,8 +214,7 @@ class MoEBlock(KeepsAuxLoss):
                                  f"this forward needs {(*lead, k)}")
             forced = self.replay_indices.reshape(-1, k).to(x.device, torch.long)
         weights, indices, logits = self.router(flat, forced)
-        # Only training needs the aux loss, and its bincount reads the device back: inference
-        # (grad mode off) leaves None, so a forward has no host sync.
+        # Only training needs the aux loss: inference (grad mode off) leaves None.
         self.aux_loss = (load_balance_loss(logits, indices, self.router.n_experts,
                                            None if real is None else real.reshape(-1))
                          if torch.is_grad_enabled() else None)

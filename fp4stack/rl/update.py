@@ -45,8 +45,8 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
     size = cfg.micro_batch_size
     while True:
         try:
-            lps, ents, stats = _accumulate(model if forward is None else forward, opt, rollout,
-                                           advantages, cfg, ref, size)
+            lps, ents, stats = _accumulate(model, model if forward is None else forward, opt,
+                                           rollout, advantages, cfg, ref, size)
             break
         except torch.OutOfMemoryError:
             if size == 1:
@@ -69,10 +69,11 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
     return lps, ents, stats
 
 
-def _accumulate(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
-                advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None, size: int
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The update's gradients in micro-batches of `size` rows, from zero: (log-probs,
+def _accumulate(model: nn.Module, forward: nn.Module, opt: torch.optim.Optimizer,
+                rollout: Rollout, advantages: torch.Tensor, cfg: RLConfig, ref: nn.Module | None,
+                size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The update's gradients in micro-batches of `size` rows, from zero, the forwards through
+    `forward` (model, or it compiled; routing is replayed on model's own blocks): (log-probs,
     entropy, loss stats)."""
     B = rollout.tokens.shape[0]
     n_tokens = rollout.response_mask.sum().clamp(min=1)
@@ -92,7 +93,7 @@ def _accumulate(model: nn.Module, opt: torch.optim.Optimizer, rollout: Rollout,
             routing = _slice_routing(rollout.routing if cfg.routing_replay else None, rows)
             with (replay_routing(model, routing) if routing else nullcontext(),
                   trainer_autocast(cfg, tokens.device)):
-                logp, entropy = lm.token_logprobs(model, tokens, mask, cfg.temperature or 1.0,
+                logp, entropy = lm.token_logprobs(forward, tokens, mask, cfg.temperature or 1.0,
                                                   entropy=True)
             old = logp.detach()
             weights = rollout_correction(old, rollout.logprobs[rows], resp, cfg.correction,

@@ -11,6 +11,7 @@ are not modelled.
 
     python benchmarks/count_launches.py [--dim 64] [--blocks 7] [--out counts.json]
     python benchmarks/count_launches.py --decode [--precisions bf16,nvfp4,quads]
+    python benchmarks/count_launches.py --update [--trainers bf16,qat-w]
 
 The default: the matrices of 7 GPT blocks (49, as bench_optim.py's 100M-parameter set at dim
 1024), at dim 64 so the interpreter takes seconds; the count does not depend on the dim.
@@ -28,6 +29,8 @@ import argparse
 import json
 import os
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 os.environ["TRITON_INTERPRET"] = "1"  # before fp4stack.kernels defines its kernels
 
@@ -40,7 +43,8 @@ _VIEWS = {"view", "_unsafe_view", "t", "transpose", "expand", "as_strided", "sel
           "unbind", "diagonal", "lift_fresh", "empty", "empty_strided", "empty_like", "size",
           "stride", "numel", "is_same_size", "_reshape_alias", "view_as_real", "view_as_complex",
           "unflatten", "chunk", "narrow", "movedim", "reshape", "_local_scalar_dense",
-          "resolve_conj", "resolve_neg", "set_", "new_empty", "new_empty_strided"}
+          "resolve_conj", "resolve_neg", "set_", "new_empty", "new_empty_strided",
+          "to", "matmul"}  # composites, counted as the ops they run (inside a custom op)
 
 
 class OpCounter(TorchDispatchMode):
@@ -52,6 +56,13 @@ class OpCounter(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace not in ("aten", "prims"):  # a custom op: count the kernels it runs
+            from torch._library.custom_ops import OPDEFS
+
+            op = OPDEFS.get(func._schema.name)
+            if op is not None:
+                with self:
+                    return op._init_fn(*args, **(kwargs or {}))
         name = func._schema.name.split("::")[-1]
         if name not in _VIEWS and not self.paused:
             self.ops[name] += 1
@@ -87,25 +98,26 @@ def count_step(make_optimizer, params: list[torch.nn.Parameter]) -> dict:
             "top_torch_ops": counter.ops.most_common(12), "triton": dict(launches)}
 
 
-def _count_generate(engine, prompts: list[list[int]]) -> tuple[Counter, Counter]:
-    """(torch ops, Triton launches) of engine.generate(prompts), the second call (the first
-    builds the engine's static buffers)."""
+@contextmanager
+def counting() -> Iterator[tuple[Counter, Counter]]:
+    """(torch ops, Triton launches) of the work inside, counted as on CUDA: an RMSNorm is one
+    launch (torch's fused CUDA kernel; on the CPU it decomposes) and the ops inside a Triton
+    launch (the interpreter's copies of its arguments) are not counted."""
     import torch.nn.functional as F
     from triton.runtime.interpreter import InterpretedFunction
 
-    engine.generate(prompts, torch.Generator().manual_seed(0))
     counter, launches = OpCounter(), Counter()
     run, rms_norm = InterpretedFunction.run, F.rms_norm
 
     def launch(self, *args, **kwargs):
         launches[self.fn.__name__] += 1
-        counter.paused = True  # the interpreter's copies are not kernels
+        paused, counter.paused = counter.paused, True
         try:
             return run(self, *args, **kwargs)
         finally:
-            counter.paused = False
+            counter.paused = paused
 
-    def fused_rms_norm(*args, **kwargs):  # one kernel on CUDA, a decomposition here
+    def fused_rms_norm(*args, **kwargs):
         counter.ops["rms_norm"] += not counter.paused
         paused, counter.paused = counter.paused, True
         try:
@@ -116,50 +128,60 @@ def _count_generate(engine, prompts: list[list[int]]) -> tuple[Counter, Counter]
     InterpretedFunction.run, F.rms_norm = launch, fused_rms_norm
     try:
         with counter:
-            engine.generate(prompts, torch.Generator().manual_seed(0))
+            yield counter.ops, launches
     finally:
         InterpretedFunction.run, F.rms_norm = run, rms_norm
-    return counter.ops, launches
 
 
-def count_decode(precision: str, dim: int) -> dict:
-    """Launches of one decoding step per block and outside the blocks (see the module doc)."""
-    from fp4stack.data.char_tokenizer import CharTokenizer
+@contextmanager
+def kernels_as_on_cuda() -> Iterator[None]:
+    """CPU tensors take the paths CUDA tensors take: the Triton kernels (interpreted), the fused
+    operand kernels, the RoPE kernel where the engine uses it."""
+    from fp4stack import ops
     from fp4stack.kernels import rope as rope_kernel
     from fp4stack.models import gpt as gpt_mod
-    from fp4stack.models.gpt import GPT, GPTConfig
     from fp4stack.models.rope import apply_rope_reference
     from fp4stack.nn import operands
-    from fp4stack.rl.fast_rollout import FastRolloutEngine
 
     def rope_as_on_cuda(x, cos, sin):
         if not torch.is_grad_enabled() and rope_kernel.supported(x, cos):
             return rope_kernel.apply_rope(x, cos, sin)
         return apply_rope_reference(x, cos, sin)
 
-    def step(blocks: int) -> tuple[Counter, Counter]:
-        counts = []
-        for new in (3, 4):  # one decoding step apart, everything else the same
-            torch.manual_seed(0)
-            cfg = GPTConfig(vocab_size=128, dim=dim, n_layers=blocks, n_heads=4, n_kv_heads=2,
-                            ffn_hidden=dim, moe=True, n_experts=8, top_k=2, moe_hidden=dim,
-                            qk_norm=False, tie_embeddings=True, max_seq_len=64)
-            engine = FastRolloutEngine(
-                GPT(cfg), CharTokenizer(), precision, max_new_tokens=new, dtype=torch.bfloat16,
-                compensation=0.5 if precision.startswith("quads") else None,
-                eos_check_every=100)  # no EOS check inside the counted steps
-            counts.append(_count_generate(engine, [[5, 6, 7, 8]] * 4))
-        return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
-
-    from fp4stack import ops
-
     saved = ops.backend_for, operands._FUSED_ON_CPU, gpt_mod.apply_rope
     ops.backend_for, operands._FUSED_ON_CPU = (lambda device: "triton"), True
     gpt_mod.apply_rope = rope_as_on_cuda
     try:
-        (ops1, tl1), (ops2, tl2) = step(1), step(2)
+        yield
     finally:
         ops.backend_for, operands._FUSED_ON_CPU, gpt_mod.apply_rope = saved
+
+
+def _count_generate(engine, prompts: list[list[int]]) -> tuple[Counter, Counter]:
+    """(torch ops, Triton launches) of engine.generate(prompts), the second call (the first
+    builds the engine's static buffers)."""
+    engine.generate(prompts, torch.Generator().manual_seed(0))
+    with counting() as (ops, launches):
+        engine.generate(prompts, torch.Generator().manual_seed(0))
+    return ops, launches
+
+
+def _smollm2_block_gpt(blocks: int, dim: int):
+    """A GPT of `blocks` blocks with the upcycled SmolLM2's structure (grouped-query attention,
+    8 experts top-2, tied embeddings) at width `dim`, seeded."""
+    from fp4stack.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, dim=dim, n_layers=blocks, n_heads=4, n_kv_heads=2,
+                         ffn_hidden=dim, moe=True, n_experts=8, top_k=2, moe_hidden=dim,
+                         qk_norm=False, tie_embeddings=True, max_seq_len=64))
+
+
+def _per_block(count) -> dict:
+    """count(blocks) -> (torch ops, Triton launches), split into a block's and the rest's (a
+    2-block model's count less a 1-block one's)."""
+    with kernels_as_on_cuda():
+        (ops1, tl1), (ops2, tl2) = count(1), count(2)
     block_ops, block_tl = ops2 - ops1, tl2 - tl1
     return {"block": {"torch_ops": sum(block_ops.values()), "triton_launches":
                       sum(block_tl.values()), "top_torch_ops": block_ops.most_common(12),
@@ -169,21 +191,82 @@ def count_decode(precision: str, dim: int) -> dict:
                         "top_torch_ops": (ops1 - block_ops).most_common(12)}}
 
 
-def main_decode(args) -> None:
-    results = {p: count_decode(p, args.dim) for p in args.precisions.split(",")}
-    print(f"One decoding step, per block of the upcycled SmolLM2's structure and outside them; "
-          f"at {args.blocks_total} blocks:")
-    print("| precision | torch ops a block | Triton a block | outside blocks | "
-          f"a step at {args.blocks_total} blocks |\n|---|---:|---:|---:|---:|")
+def count_decode(precision: str, dim: int) -> dict:
+    """Launches of one decoding step per block and outside the blocks (see the module doc)."""
+    from fp4stack.data.char_tokenizer import CharTokenizer
+    from fp4stack.rl.fast_rollout import FastRolloutEngine
+
+    def step(blocks: int) -> tuple[Counter, Counter]:
+        counts = []
+        for new in (3, 4):  # one decoding step apart, everything else the same
+            engine = FastRolloutEngine(
+                _smollm2_block_gpt(blocks, dim), CharTokenizer(), precision, max_new_tokens=new,
+                dtype=torch.bfloat16, compensation=0.5 if precision.startswith("quads") else None,
+                eos_check_every=100)  # no EOS check inside the counted steps
+            counts.append(_count_generate(engine, [[5, 6, 7, 8]] * 4))
+        return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+
+    return _per_block(step)
+
+
+def count_update(trainer: str, dim: int) -> dict:
+    """Launches of one GRPO update (`rl.update.train_step` on one micro-batch: forward and
+    backward under bfloat16 autocast, gradient clipping, a fused AdamW step) of a trainer in
+    `trainer`'s recipe, per block and outside the blocks."""
+    from fp4stack.convert import quantize_model
+    from fp4stack.rl.config import RLConfig
+    from fp4stack.rl.rollout import Rollout
+    from fp4stack.rl.update import train_step
+
+    def step(blocks: int) -> tuple[Counter, Counter]:
+        model = _smollm2_block_gpt(blocks, dim).train()
+        if trainer != "bf16":
+            quantize_model(model, trainer)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        cfg = RLConfig(micro_batch_size=8, trainer=trainer, trainer_dtype="bfloat16")
+        tokens = torch.randint(0, 128, (8, 24))
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        resp = mask.clone()
+        resp[:, :8] = False  # 8 prompt tokens, 16 response tokens a row
+        rollout = Rollout(tokens, mask, resp, -torch.rand(tokens.shape) * resp, 8)
+        adv = torch.randn(8)
+        train_step(model, opt, rollout, adv, cfg, None, log=lambda *a: None)  # builds states
+        with counting() as (ops, launches):
+            train_step(model, opt, rollout, adv, cfg, None, log=lambda *a: None)
+        return ops, launches
+
+    return _per_block(step)
+
+
+def main_update(args) -> None:
+    results = {t: count_update(t, args.dim) for t in args.trainers.split(",")}
+    print(f"One GRPO update (one micro-batch), per block of the upcycled SmolLM2's structure and "
+          f"outside them; at {args.blocks_total} blocks:")
+    _print_table("trainer", results, args.blocks_total)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dim": args.dim, "update": results}, f, indent=1)
+
+
+def _print_table(what: str, results: dict, blocks_total: int) -> None:
+    print(f"| {what} | torch ops a block | Triton a block | outside blocks | "
+          f"total at {blocks_total} blocks |\n|---|---:|---:|---:|---:|")
     for name, r in results.items():
         b, o = r["block"], r["outside"]
         per_block = b["torch_ops"] + b["triton_launches"]
         outside = o["torch_ops"] + o["triton_launches"]
         print(f"| {name} | {b['torch_ops']} | {b['triton_launches']} | {outside} | "
-              f"{per_block * args.blocks_total + outside:,} |")
+              f"{per_block * blocks_total + outside:,} |")
     for name, r in results.items():
         print(f"{name}: a block's torch ops {r['block']['top_torch_ops']}; "
               f"Triton {r['block']['triton']}")
+
+
+def main_decode(args) -> None:
+    results = {p: count_decode(p, args.dim) for p in args.precisions.split(",")}
+    print(f"One decoding step, per block of the upcycled SmolLM2's structure and outside them; "
+          f"at {args.blocks_total} blocks:")
+    _print_table("precision", results, args.blocks_total)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"dim": args.dim, "decode": results}, f, indent=1)
@@ -198,11 +281,17 @@ def main() -> None:
     ap.add_argument("--precisions", default="bf16,nvfp4,quads",
                     help="--decode: the engine's rollout precisions")
     ap.add_argument("--blocks-total", type=int, default=30,
-                    help="--decode: blocks of the policy the step total is given for")
+                    help="--decode, --update: blocks of the policy the total is given for")
+    ap.add_argument("--update", action="store_true",
+                    help="count a GRPO update of the RL trainer instead")
+    ap.add_argument("--trainers", default="bf16,qat-w",
+                    help="--update: the trainer recipes")
     ap.add_argument("--out", help="write the counts as JSON here")
     args = ap.parse_args()
     if args.decode:
         return main_decode(args)
+    if args.update:
+        return main_update(args)
 
     from fp4stack.optim.muon4 import Muon4
 

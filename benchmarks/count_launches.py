@@ -238,38 +238,31 @@ def count_update(trainer: str, dim: int) -> dict:
     return _per_block(step)
 
 
-def main_update(args) -> None:
-    results = {t: count_update(t, args.dim) for t in args.trainers.split(",")}
-    print(f"One GRPO update (one micro-batch), per block of the upcycled SmolLM2's structure and "
-          f"outside them; at {args.blocks_total} blocks:")
-    _print_table("trainer", results, args.blocks_total)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"dim": args.dim, "update": results}, f, indent=1)
-
-
-def _print_table(what: str, results: dict, blocks_total: int) -> None:
+def main_per_block(args) -> None:
+    """--decode or --update: the counts of each precision or trainer, as a table."""
+    if args.decode:
+        what, key, count, names = "precision", "decode", count_decode, args.precisions
+        title = "One decoding step"
+    else:
+        what, key, count, names = "trainer", "update", count_update, args.trainers
+        title = "One GRPO update (one micro-batch)"
+    results = {name: count(name, args.dim) for name in names.split(",")}
+    print(f"{title}, per block of the upcycled SmolLM2's structure and outside them; at "
+          f"{args.blocks_total} blocks:")
     print(f"| {what} | torch ops a block | Triton a block | outside blocks | "
-          f"total at {blocks_total} blocks |\n|---|---:|---:|---:|---:|")
+          f"total at {args.blocks_total} blocks |\n|---|---:|---:|---:|---:|")
     for name, r in results.items():
         b, o = r["block"], r["outside"]
         per_block = b["torch_ops"] + b["triton_launches"]
         outside = o["torch_ops"] + o["triton_launches"]
         print(f"| {name} | {b['torch_ops']} | {b['triton_launches']} | {outside} | "
-              f"{per_block * blocks_total + outside:,} |")
+              f"{per_block * args.blocks_total + outside:,} |")
     for name, r in results.items():
         print(f"{name}: a block's torch ops {r['block']['top_torch_ops']}; "
               f"Triton {r['block']['triton']}")
-
-
-def main_decode(args) -> None:
-    results = {p: count_decode(p, args.dim) for p in args.precisions.split(",")}
-    print(f"One decoding step, per block of the upcycled SmolLM2's structure and outside them; "
-          f"at {args.blocks_total} blocks:")
-    _print_table("precision", results, args.blocks_total)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"dim": args.dim, "decode": results}, f, indent=1)
+            json.dump({"dim": args.dim, key: results}, f, indent=1)
 
 
 def main() -> None:
@@ -288,10 +281,8 @@ def main() -> None:
                     help="--update: the trainer recipes")
     ap.add_argument("--out", help="write the counts as JSON here")
     args = ap.parse_args()
-    if args.decode:
-        return main_decode(args)
-    if args.update:
-        return main_update(args)
+    if args.decode or args.update:
+        return main_per_block(args)
 
     from fp4stack.optim.muon4 import Muon4
 

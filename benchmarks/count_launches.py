@@ -1,5 +1,5 @@
-"""Kernel launches of one optimizer step, or of one decoding step of the fast rollout engine,
-counted on the CPU: the work a launch-bound step does.
+"""Kernel launches of one optimizer step, one decoding step of the fast rollout engine or one
+GRPO update of the RL trainer, counted on the CPU: the work a launch-bound step does.
 
 A GPU step of Muon4 is bound by its launches (docs/PERFORMANCE.md): thousands of small kernels,
 and so is a decoding step of a small MoE policy at a GRPO batch. This counts them without a
@@ -20,7 +20,9 @@ launches) of an MoE GPT with the upcycled SmolLM2's block (grouped-query attenti
 top-2, tied embeddings) at dim 64, per block (a 2-block model's count less a 1-block one's)
 and outside the blocks. As on CUDA, RoPE takes its kernel and an RMSNorm counts as one launch
 (torch's fused CUDA kernel; on the CPU it decomposes). Ops inside a Triton launch (the
-interpreter's copies of its arguments) are not counted.
+interpreter's copies of its arguments) are not counted; a custom op counts as the ops it runs.
+--update: one micro-batch of `rl.update.train_step` (8 rows of 24 tokens) on the same model,
+per block and outside the blocks; RMSNorm's backward counts as the CPU's decomposition.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from fp4stack.kernels.profiling import kernel_times
 from fp4stack.nn import grouped_experts as ge
 from fp4stack.nn.moe import Experts
 
@@ -39,26 +40,19 @@ def step(experts: Experts, x: torch.Tensor, weights: torch.Tensor, indices: torc
 
 def timed(fn, repeats: int, device: torch.device) -> dict[str, float]:
     fn()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
     walls = []
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
         walls.append(1e3 * (time.perf_counter() - t0))
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernel_times(fn, reps=1) if device.type == "cuda" else []
     return {"wall_ms": statistics.median(walls),
-            "gpu_kernel_ms": sum(e.device_time for e in kernels) / 1e3,
-            "launches": len(kernels)}
+            "gpu_kernel_ms": sum(ms for _, _, ms in kernels),
+            "launches": sum(n for _, n, _ in kernels)}
 
 
 def main() -> None:
@@ -79,9 +73,9 @@ def main() -> None:
     router = torch.randn(args.tokens, args.experts, device=device).softmax(-1)
     weights, indices = router.topk(args.top_k, dim=-1)
     runs = ge.grouped_mm_runs(experts.gate_up_proj, torch.bfloat16)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{args.tokens} tokens, {args.experts} experts top-{args.top_k}, {args.dim} -> "
-          f"{args.hidden} on {name}; torch._grouped_mm {'runs' if runs else 'does not run'}")
+          f"{args.hidden} on {device_name}; torch._grouped_mm {'runs' if runs else 'does not run'}")
     real = ge.grouped_mm_runs
     rows, outputs = {}, {}
     for name, use in (("loop", False), ("grouped_mm", True)):
@@ -109,7 +103,7 @@ def main() -> None:
         print("relative error against the loop:", {k: f"{v:.1e}" for k, v in
                                                    rows["grouped_mm"]["rel_err_vs_loop"].items()})
     if args.out:
-        meta = {"device": name,
+        meta = {"device": device_name,
                 "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(
                     timespec="minutes"), "args": vars(args)}
         with open(args.out, "w") as f:

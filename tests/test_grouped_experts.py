@@ -3,6 +3,7 @@ against its reference, the per-expert loop: the same loss and gradient bits for 
 recipes, including an expert without tokens, a calibrated static activation amax and autocast."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,17 +87,29 @@ def test_eager_reads_each_blocks_counts_on_the_host_once(monkeypatch):
     assert blocks > 0 and seen == [True] * (4 * blocks)
 
 
-def test_plain_experts_take_one_grouped_gemm_and_no_host_read(monkeypatch):
-    # Plain experts (the bf16 trainer's) run each projection as one torch._grouped_mm, forward
-    # and backward, with no host read of the counts; their bits are the loop's on the CPU
-    # (test_sorted_path_gives_the_loops_bits).
+@pytest.mark.parametrize("name", ["bf16", "qat-w"])
+def test_plain_and_weight_only_experts_take_one_grouped_gemm_and_no_host_read(monkeypatch, name):
+    # Plain experts (the bf16 trainer's) and weight-only ones (qat-w's: Q(W) for W) run each
+    # projection as one torch._grouped_mm, forward and backward, with no host read of the
+    # counts; their bits are the loop's on the CPU (test_sorted_path_gives_the_loops_bits).
     calls, real = [], torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(ge, "_rows", lambda *a: pytest.fail("the per-expert loop ran"))
-    model = model_for("bf16")
+    model = model_for(name)
     step(model, loop=False)
     blocks = sum(isinstance(m, MoEBlock) for m in model.modules())
     assert blocks > 0 and len(calls) == 6 * blocks  # 2 projections x (forward, dx, dw)
+
+
+@pytest.mark.parametrize("name,weight_only", [
+    ("qat-w", True), ("nvfp4", False), ("fp8", False), ("w4a4@weights", False)])
+def test_which_recipes_are_weight_only(name, weight_only):
+    # w4a4@weights keeps the weights packed (an inference recipe), and its dgrad operand is
+    # its own: only qat-w's GEMMs are the plain ones with Q(W).
+    assert ge.weight_only(ge.recipe_key(recipe(name))) is weight_only
+    assert not ge.weight_only("plain")
+    sr = recipe("qat-w").with_(w=replace(recipe("qat-w").w, rounding="stochastic"))
+    assert not ge.weight_only(ge.recipe_key(sr))  # its draws are not the loop's
 
 
 @pytest.mark.parametrize("shape,dtype,runs", [
@@ -125,9 +138,10 @@ def test_unaligned_plain_experts_take_each_experts_gemm(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_plain_experts_on_cuda_close_to_the_loop():
+@pytest.mark.parametrize("name", ["bf16", "qat-w"])
+def test_plain_experts_on_cuda_close_to_the_loop(name):
     # On sm90 in bfloat16 torch._grouped_mm's kernel is not cuBLAS's: close, not the same bits.
-    (loss_a, grads_a), (loss_b, grads_b) = (step(model_for("bf16"), loop, True, "cuda")
+    (loss_a, grads_a), (loss_b, grads_b) = (step(model_for(name), loop, True, "cuda")
                                             for loop in (True, False))
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-2, atol=0)
     for a, b in zip(grads_a, grads_b, strict=True):

@@ -224,7 +224,8 @@ def test_the_sft_warm_up_is_reused_only_for_the_inputs_that_made_it(tmp_path):
     again, said = start(cfg, tmp_path)  # what rl-compare's runs do: one config, one warm-up
     assert said == [f"policy: loaded the SFT warm-up from {tmp_path / SFT_FILE}"]
     assert all(torch.equal(first[k], again[k]) for k in first)
-    for other in (cfg.with_overrides(seed=1), cfg.with_overrides(task="arithmetic:mul")):
+    for other in (cfg.with_overrides(seed=1), cfg.with_overrides(task="arithmetic:mul"),
+                  cfg.with_overrides(sft_recipe="qat-w")):
         fresh, _ = start(other, None)
         got, said = start(other, tmp_path)
         assert len(said) == 1 and "does not match this run's SFT inputs" in said[0], said

@@ -8,9 +8,10 @@ output shape ([pairs, out]) does not depend on the routing. Each expert's GEMMs 
 (`quant_linear`'s numerics: the same operands, quantizations and products), so an RNE recipe
 gives the loop's bits. Plain experts (no recipe) run each GEMM as one torch._grouped_mm where
 its operands are 16-byte aligned, with no host read of the counts: on the CPU with the loop's
-bits, on sm90 in bfloat16 with a grouped kernel's (close to cuBLAS's, not equal). Stochastic
-roundings take their seeds from one [E, 6] draw in the forward (one seed per expert and
-operand), so the backward draws nothing and a compiled step repeats an eager one bit for bit;
+bits, on sm90 in bfloat16 with a grouped kernel's (close to cuBLAS's, not equal). So do
+weight-only experts (qat-w: `weight_only`), each expert's quantized weight for its weight.
+Stochastic roundings take their seeds from one [E, 6] draw in the forward (one seed per expert
+and operand), so the backward draws nothing and a compiled step repeats an eager one bit for bit;
 their draws are not the loop's.
 """
 
@@ -76,6 +77,28 @@ def grouped_mm_runs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
+def weight_only(key: str) -> bool:
+    """Whether recipe `key` (a `recipe_key`) quantizes only the weights, by RNE, the forward's
+    Q(W) reused in dgrad (qat-w): its expert GEMMs are then the plain experts' with Q(W_e) for
+    W_e, which torch._grouped_mm runs as one call per GEMM, with no host read of the counts."""
+    specs = _specs(key)
+    if specs is None:
+        return False
+    unquantized = all(specs[n] is not None and specs[n].format == "none"
+                      for n in ("x", "dy", "dy_wgrad"))
+    w = specs["w"]
+    return (unquantized and specs["x_wgrad"] is None and specs["w_dgrad"] is None
+            and w is not None and w.format != "none" and w.rounding == "rne")
+
+
+def _quantized_stack(weight: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+    # Q(W_e) in dtype for every expert, each with its own global amax, as the loop quantizes
+    # them one by one (an expert with no rows too: its GEMM adds nothing).
+    return torch.stack([quantize_operand(weight[e], spec, dtype=dtype)
+                        for e in range(weight.shape[0])])
+
+
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0, dtype=torch.int32)  # each expert's end row, as _grouped_mm takes them
 
@@ -112,6 +135,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     specs = _specs(recipe)
     if specs is None and grouped_mm_runs(weight, dtype):
         w_t = _aligned(weight.to(dtype)).transpose(-2, -1)
+        return torch._grouped_mm(_aligned(x.to(dtype)), w_t, offs=_offsets(counts))
+    if weight_only(recipe) and grouped_mm_runs(weight, dtype):
+        w_t = _quantized_stack(weight, specs["w"], dtype).transpose(-2, -1)
         return torch._grouped_mm(_aligned(x.to(dtype)), w_t, offs=_offsets(counts))
     y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
     if specs is None:  # the casts once for all experts: elementwise, so the same values
@@ -155,6 +181,14 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
             dx[rows] = dye.mm(w_low[e]).to(x.dtype)
             dw_low[e] = x_low[rows].t().mm(dye).t()
         return dx, dw_low.to(weight.dtype)
+    if weight_only(recipe) and dy.dtype == dtype and grouped_mm_runs(weight, dtype):
+        # The loop's operands (dy as it is, x cast to dtype, the forward's Q(W)) in two
+        # grouped GEMMs; dw as xᵀ·dy, transposed, as the plain experts'.
+        dy, offs = _aligned(dy.contiguous()), _offsets(counts)
+        qw = _quantized_stack(weight, specs["w"], dtype)
+        dw = torch._grouped_mm(_aligned(x.to(dtype)).t(), dy, offs=offs).transpose(-2, -1)
+        return (torch._grouped_mm(dy, qw, offs=offs).to(x.dtype),
+                torch.empty_like(weight).copy_(dw))
     dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
     for e, rows in _rows(counts, host_counts):
         xe, we, dye = x[rows], weight[e], dy[rows]
@@ -238,7 +272,8 @@ def grouped_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     # backward of both projections), each a device sync otherwise; a compiled graph keeps the
     # read inside the ops, and torch._grouped_mm needs none.
     host = None if torch.compiler.is_compiling() or (
-        recipe is None and grouped_mm_runs(stacks[0], _compute_dtype(xs))) else counts.tolist()
+        (recipe is None or weight_only(key)) and grouped_mm_runs(stacks[0], _compute_dtype(xs))
+    ) else counts.tolist()
     # Each GEMM in the dtype quant_linear would use (autocast's), its output left in it.
     h = grouped_linear(xs, stacks[0], counts, amax[0], seeds[0], key, _compute_dtype(xs), host)
     gate, up = h.chunk(2, dim=-1)

@@ -15,6 +15,7 @@ from .rollout import PRECISIONS
 from .schedule import OFF_POLICY
 
 TRAINERS = ("bf16", "qat-w")
+SFT_RECIPES = ("bf16", "qat-w", "nvfp4@forward")
 # The fields an rl-compare run's name, its seed and its directory set.
 RUN_FIELDS = ("rollout", "trainer", "correction", "compensation", "compensation_mode", "seed",
               "out", "device")
@@ -46,6 +47,11 @@ class RLConfig:
     sft_steps: int = 300  # SFT warm-up on the task's reference completions (0: none)
     sft_lr: float = 3e-3
     sft_batch_size: int = 64
+    # The warm-up's linear layers: "bf16" (as they are), "qat-w" (weights fake-quantized to
+    # NVFP4, straight-through gradients) or "nvfp4@forward" (weights and activations, a W4A4
+    # forward; backward in high precision). A quantization-aware start, for a policy small
+    # enough that NVFP4 rollouts of its BF16 warm-up would break it (docs/results/rl.md).
+    sft_recipe: str = "bf16"
     rollout: str = "quads"  # a rollout.PRECISIONS key: bf16, fp8, nvfp4, quads, w4a16, ...
     compensation: float = 0.05  # quads: fraction of input channels compensated
     # quads: "dynamic" picks each layer's channels per batch by residual energy; "static" fixes
@@ -109,7 +115,8 @@ class RLConfig:
         return f"{self.rollout}{extra}"
 
     def __post_init__(self) -> None:
-        choices = {"rollout": tuple(PRECISIONS), "trainer": TRAINERS, "correction": CORRECTIONS,
+        choices = {"rollout": tuple(PRECISIONS), "trainer": TRAINERS, "sft_recipe": SFT_RECIPES,
+                   "correction": CORRECTIONS,
                    "alarm": ALARM_ACTIONS, "logprobs": ("score", "sample"), "engine": ENGINES,
                    "compensation_mode": ("dynamic", "static"),
                    "trainer_dtype": ("float32", "bfloat16")}

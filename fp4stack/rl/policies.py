@@ -86,11 +86,25 @@ def encode_example(tokenizer: lm.TokenizerLike, prompt: str, completion: str | N
 
 def sft_warmup(model: nn.Module, tokenizer: lm.TokenizerLike, task: Task, *, steps: int,
                batch_size: int, lr: float, seed: int, device: torch.device,
-               log=print) -> list[float]:
+               recipe: str = "bf16", log=print) -> list[float]:
     """Supervised warm-up on the task's reference completions (loss on completion tokens only,
-    AdamW, cosine decay). Returns the loss of every step."""
+    AdamW, cosine decay). Returns the loss of every step. recipe other than "bf16" (e.g.
+    "qat-w", "nvfp4@forward"): the steps train a copy of `model` converted to that training
+    recipe, whose weights (the same names, kept in full precision) are then `model`'s."""
     if steps == 0:
         return []
+    if recipe != "bf16":
+        import copy
+
+        from ..convert import quantize_model
+
+        trained = copy.deepcopy(model)
+        quantize_model(trained, recipe)
+        losses = sft_warmup(trained, tokenizer, task, steps=steps, batch_size=batch_size, lr=lr,
+                            seed=seed, device=device, log=log)
+        model.load_state_dict(trained.state_dict())
+        model.eval()
+        return losses
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=lr / 10)

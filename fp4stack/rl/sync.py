@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..api import dequantize, fake_quantize, quantize
+from ..api import dequantize, quantize
 from ..nn.fused import shared_amax
 from ..nn.linear import QuantLinear
 from ..nn.packed import PackedSlot, PackedState
@@ -79,9 +79,11 @@ def _pack_slot(trainer: nn.Module, p: str, slot: PackedSlot,
     # the checksum of the values the trainer multiplies by.
     w = _trainer_weight(trainer, p + slot.master)
     parts = [w] if slot.count is None else list(w)
-    state = slot.state([quantize(x, spec=slot.spec, amax=amax) for x in parts])
-    sums = {p + entry: _checksum(fake_quantize(x, spec=slot.spec, amax=amax))
-            for entry, x in zip(slot.entries(), parts, strict=True)}
+    packed = [quantize(x, spec=slot.spec, amax=amax) for x in parts]
+    state = slot.state(packed)
+    # dequantize(quantize(x)) is fake_quantize(x) bit for bit: one quantization per entry
+    sums = {p + entry: _checksum(dequantize(q, torch.float32))
+            for entry, q in zip(slot.entries(), packed, strict=True)}
     return {p + k: v for k, v in state.items()}, sums
 
 

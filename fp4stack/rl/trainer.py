@@ -47,7 +47,7 @@ from .update import train_step
 SFT_FILE = "sft_policy.pt"
 # The RLConfig fields that determine the SFT warm-up's weights.
 SFT_KEYS = ("policy", "upcycle", "task", "task_options", "seed", "sft_steps", "sft_lr",
-            "sft_batch_size", "max_new_tokens")
+            "sft_batch_size", "sft_recipe", "max_new_tokens")
 
 
 def sft_inputs(cfg: RLConfig, vocab_size: int | None) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def prepare_policy(cfg: RLConfig, task: Task, device: torch.device, cache_dir: P
     # start from the same weights: the start's digest in each result.json says whether they did.
     with deterministic_algorithms(warn_only=True):
         sft_warmup(model, tokenizer, task, steps=cfg.sft_steps, batch_size=cfg.sft_batch_size,
-                   lr=cfg.sft_lr, seed=cfg.seed, device=device, log=log)
+                   lr=cfg.sft_lr, seed=cfg.seed, device=device, recipe=cfg.sft_recipe, log=log)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.name}.tmp")  # fixed: a killed save's is overwritten

@@ -1,0 +1,92 @@
+"""How far each rollout precision moves a pretrained model's next-token log-probs, before any
+training: SmolLM2-135M (dense, or upcycled to an MoE as issue 37's policy) on a few short texts,
+each rollout engine's copy (quantized as `fp4stack rl` builds it) against the float32 model:
+mean negative log-prob, and the mean and max |log p_engine - log p_model| over the texts'
+tokens, scored as one left-padded batch. Shows whether a model is robust enough to NVFP4 for an
+RL comparison of rollout precisions to start from its BF16 weights (docs/results/rl.md).
+
+    FP4STACK_SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf \\
+        python experiments/study_quant_fidelity.py \\
+        --precisions bf16,fp8,w4a16,nvfp4,nvfp4-token,quads --upcycle 0,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from study_upcycle_loss import TEXTS
+
+from fp4stack.models import hf
+from fp4stack.models.hf_import import gpt_from_hf
+from fp4stack.models.upcycle import upcycle_gpt
+from fp4stack.rl import policy as lm
+from fp4stack.rl.rollout import RolloutEngine
+
+
+def padded_batch(token_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The texts left-padded into one batch, as the rollout engine lays rows out."""
+    width = max(len(t) for t in token_ids)
+    tokens = torch.full((len(token_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(token_ids), width, dtype=torch.bool)
+    for i, t in enumerate(token_ids):
+        tokens[i, width - len(t):] = torch.tensor(t)
+        mask[i, width - len(t):] = True
+    return tokens, mask
+
+
+@torch.no_grad()
+def fidelity(model: torch.nn.Module, precisions: list[str], tokens: torch.Tensor,
+             mask: torch.Tensor, dtype: torch.dtype | None) -> list[dict]:
+    """A row per precision: the engine's mean NLL and its |dlogp| against `model` (float32)."""
+    scored = torch.nn.functional.pad(mask[:, 1:] & mask[:, :-1], (1, 0))
+    want = lm.token_logprobs(model, tokens, mask)[scored]
+    rows = [{"precision": "float32", "nll": -want.mean().item()}]
+    for precision in precisions:
+        engine = RolloutEngine(model, None, precision, dtype=dtype)
+        engine.sync(model)
+        got = lm.token_logprobs(engine.model, tokens, mask)[scored]
+        diff = (got - want).abs()
+        rows.append({"precision": precision, "nll": -got.mean().item(),
+                     "dlogp_mean": diff.mean().item(), "dlogp_max": diff.max().item()})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--precisions", default="bf16,fp8,w4a16,nvfp4,nvfp4-token,quads")
+    p.add_argument("--upcycle", default="0,8", help="experts (0: the dense model), top-2 copies "
+                   "with 1%% noise, as configs/rl/smollm2-worked.yaml")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the engines' dtype (bfloat16: as on a GPU)")
+    p.add_argument("--out", help="also write the rows as JSON here")
+    args = p.parse_args()
+    loaded = hf.load(args.model)
+    dense = gpt_from_hf(loaded.model).eval()
+    tokens, mask = padded_batch([loaded.tokenizer.encode(t) for t in TEXTS],
+                                loaded.tokenizer.pad_token_id or 0)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    rows = []
+    for experts in (int(e) for e in args.upcycle.split(",")):
+        model = dense if experts == 0 else upcycle_gpt(dense, experts, 2, expert_noise=0.01,
+                                                       seed=0).eval()
+        for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype):
+            rows.append({"experts": experts, **r})
+    print(f"{loaded.description}; {len(TEXTS)} texts, {int(mask.sum()) - len(TEXTS)} scored "
+          f"tokens; engines in {args.dtype}")
+    print("| model | rollout | NLL (nats/token) | mean abs dlogp | max abs dlogp |\n"
+          "|---|---|---:|---:|---:|")
+    for r in rows:
+        name = "dense" if r["experts"] == 0 else f"{r['experts']} experts"
+        print(f"| {name} | {r['precision']} | {r['nll']:.3f} | {r.get('dlogp_mean', 0):.3f} | "
+              f"{r.get('dlogp_max', 0):.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": loaded.description, "dtype": args.dtype, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

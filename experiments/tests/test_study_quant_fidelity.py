@@ -1,0 +1,25 @@
+"""study_quant_fidelity on the tiny random Llama: the float32 engine is the model itself, an
+NVFP4 one moves the log-probs, and padding rows leave each text's scores as they were alone."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from study_quant_fidelity import fidelity, padded_batch  # noqa: E402
+
+from fp4stack.models import hf  # noqa: E402
+from fp4stack.models.hf_import import gpt_from_hf  # noqa: E402
+
+
+def test_rows_per_precision():
+    model = gpt_from_hf(hf.load("tiny-dense").model).eval()
+    tokens, mask = padded_batch([[1, 5, 9, 200, 17, 3], [7, 7, 8, 100]], pad=0)
+    assert mask.tolist()[1] == [False, False, True, True, True, True]
+    rows = {r["precision"]: r for r in fidelity(model, ["bf16", "nvfp4"], tokens, mask, None)}
+    assert rows["bf16"]["dlogp_max"] == 0.0 and rows["bf16"]["nll"] == rows["float32"]["nll"]
+    assert rows["nvfp4"]["dlogp_max"] > 0.0 and rows["nvfp4"]["dlogp_mean"] > 0.0
+    alone = fidelity(model, [], tokens[1:, 2:], mask[1:, 2:], None)[0]["nll"]
+    first = fidelity(model, [], tokens[:1], mask[:1], None)[0]["nll"]
+    assert rows["float32"]["nll"] == pytest.approx((5 * first + 3 * alone) / 8, rel=1e-5)
+    assert torch.equal(tokens[1, 2:], torch.tensor([7, 7, 8, 100]))

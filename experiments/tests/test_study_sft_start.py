@@ -25,3 +25,10 @@ def test_rows_per_recipe_and_precision(tmp_path, monkeypatch):
         assert "mixed_groups" in by[recipe, "bf16"] and "mixed_groups" not in by[recipe, "nvfp4"]
         assert all(0.0 <= by[recipe, p]["greedy_pass1"] <= 1.0 for p in ("bf16", "nvfp4"))
     assert by["bf16", "nvfp4"]["completion_nll"] != by["qat-w", "nvfp4"]["completion_nll"]
+
+
+def test_the_dense_probe_config_loads():
+    from fp4stack.rl.config import load_rl_config
+
+    cfg = load_rl_config("experiments/configs/smollm2_dense_sft_probe.yaml")
+    assert cfg.upcycle is None and cfg.sft_recipe == "bf16" and cfg.device == "cpu"

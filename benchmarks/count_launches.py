@@ -1,5 +1,6 @@
-"""Kernel launches of one optimizer step, one decoding step of the fast rollout engine or one
-GRPO update of the RL trainer, counted on the CPU: the work a launch-bound step does.
+"""Kernel launches of one optimizer step, one decoding step of the fast rollout engine, one
+GRPO update of the RL trainer or one refit of the engine, counted on the CPU: the work a
+launch-bound step does.
 
 A GPU step of Muon4 is bound by its launches (docs/PERFORMANCE.md): thousands of small kernels,
 and so is a decoding step of a small MoE policy at a GRPO batch. This counts them without a
@@ -12,6 +13,7 @@ are not modelled.
     python benchmarks/count_launches.py [--dim 64] [--blocks 7] [--out counts.json]
     python benchmarks/count_launches.py --decode [--precisions bf16,nvfp4,quads]
     python benchmarks/count_launches.py --update [--trainers bf16,qat-w]
+    python benchmarks/count_launches.py --refit [--precisions bf16,nvfp4,quads]
 
 The default: the matrices of 7 GPT blocks (49, as bench_optim.py's 100M-parameter set at dim
 1024), at dim 64 so the interpreter takes seconds; the count does not depend on the dim.
@@ -23,6 +25,8 @@ and outside the blocks. As on CUDA, RoPE takes its kernel and an RMSNorm counts 
 interpreter's copies of its arguments) are not counted; a custom op counts as the ops it runs.
 --update: one micro-batch of `rl.update.train_step` (8 rows of 24 tokens) on the same model,
 per block and outside the blocks; RMSNorm's backward counts as the CPU's decomposition.
+--refit: one `RolloutEngine.sync` of a fast engine in each precision from the same model (the
+trainer's weights quantized, loaded and checked tensor by tensor), per block and outside.
 """
 
 from __future__ import annotations
@@ -211,6 +215,24 @@ def count_decode(precision: str, dim: int) -> dict:
     return _per_block(step)
 
 
+def count_refit(precision: str, dim: int) -> dict:
+    """Launches of one refit (`RolloutEngine.sync`, after a first one) of a fast engine in
+    `precision` from the model it was built from, per block and outside the blocks."""
+    from fp4stack.data.char_tokenizer import CharTokenizer
+    from fp4stack.rl.fast_rollout import FastRolloutEngine
+
+    def step(blocks: int) -> tuple[Counter, Counter]:
+        model = _smollm2_block_gpt(blocks, dim)
+        engine = FastRolloutEngine(model, CharTokenizer(), precision, dtype=torch.bfloat16,
+                                   compensation=0.5 if precision.startswith("quads") else None)
+        engine.sync(model)  # the first refit makes what later ones reuse
+        with counting() as (ops, launches):
+            engine.sync(model)
+        return ops, launches
+
+    return _per_block(step)
+
+
 def count_update(trainer: str, dim: int) -> dict:
     """Launches of one GRPO update (`rl.update.train_step` on one micro-batch: forward and
     backward under bfloat16 autocast, gradient clipping, a fused AdamW step) of a trainer in
@@ -241,10 +263,13 @@ def count_update(trainer: str, dim: int) -> dict:
 
 
 def main_per_block(args) -> None:
-    """--decode or --update: the counts of each precision or trainer, as a table."""
+    """--decode, --update or --refit: the counts of each precision or trainer, as a table."""
     if args.decode:
         what, key, count, names = "precision", "decode", count_decode, args.precisions
         title = "One decoding step"
+    elif args.refit:
+        what, key, count, names = "precision", "refit", count_refit, args.precisions
+        title = "One refit of the engine (weight sync, checked)"
     else:
         what, key, count, names = "trainer", "update", count_update, args.trainers
         title = "One GRPO update (one micro-batch)"
@@ -274,16 +299,19 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true",
                     help="count a decoding step of the fast rollout engine instead")
     ap.add_argument("--precisions", default="bf16,nvfp4,quads",
-                    help="--decode: the engine's rollout precisions")
+                    help="--decode, --refit: the engine's rollout precisions")
     ap.add_argument("--blocks-total", type=int, default=30,
-                    help="--decode, --update: blocks of the policy the total is given for")
+                    help="--decode, --update, --refit: blocks of the policy the total is "
+                         "given for")
     ap.add_argument("--update", action="store_true",
                     help="count a GRPO update of the RL trainer instead")
+    ap.add_argument("--refit", action="store_true",
+                    help="count a refit of the fast rollout engine instead")
     ap.add_argument("--trainers", default="bf16,qat-w",
                     help="--update: the trainer recipes")
     ap.add_argument("--out", help="write the counts as JSON here")
     args = ap.parse_args()
-    if args.decode or args.update:
+    if args.decode or args.update or args.refit:
         return main_per_block(args)
 
     from fp4stack.optim.muon4 import Muon4

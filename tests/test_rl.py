@@ -106,6 +106,20 @@ def test_checksum_sees_position_and_value():
     assert checksum(t) != checksum(u)
 
 
+def test_checksum_is_its_formula_with_cached_and_fresh_weights(monkeypatch):
+    import fp4stack.rl.sync as sync
+
+    def formula(t):  # sum_i bits_i * (i * MIX mod 2^32 | 1), wrapping in int64
+        bits = t.float().view(-1).view(torch.int32).tolist()
+        total = sum(b * ((i * sync._MIX) % (1 << 32) | 1) for i, b in enumerate(bits))
+        return (total + (1 << 63)) % (1 << 64) - (1 << 63)
+
+    monkeypatch.setattr(sync, "_CACHED_WEIGHTS", 100)
+    for n in (37, 100, 101, 300):  # cached up to 100 elements, made afresh above
+        t = torch.randn(n)
+        assert checksum(t) == checksum(t) == formula(t), n
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     seen = {int(sample_next(logits, 1.0, 0.75, torch.Generator().manual_seed(s))[0])

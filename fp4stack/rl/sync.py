@@ -9,6 +9,7 @@ amax or a flipped bit, which the usual probability-difference metric can miss.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +27,26 @@ class WeightSyncError(RuntimeError):
     """The engine's weights differ from the trainer's after a refit."""
 
 
+_CACHED_WEIGHTS = 1 << 24  # position weights of tensors up to this size are kept (128 MiB)
+
+
+def _position_weights(numel: int, device: torch.device) -> Tensor:
+    idx = torch.arange(numel, device=device, dtype=torch.int64)
+    return (idx * _MIX) % (1 << 32) | 1
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_position_weights(numel: int, device: torch.device) -> Tensor:
+    # A refit checks hundreds of tensors of a few shapes: their weights are made once, which
+    # takes four of a checksum's seven launches out of every refit after the first.
+    return _position_weights(numel, device)
+
+
 def _checksum(t: Tensor) -> Tensor:
     # A 0-d int64 tensor on t's device: no host sync per tensor (a refit checks hundreds).
     bits = t.detach().float().contiguous().view(-1).view(torch.int32).long()
-    idx = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
-    weights = (idx * _MIX) % (1 << 32) | 1
+    weights = (_cached_position_weights if bits.numel() <= _CACHED_WEIGHTS
+               else _position_weights)(bits.numel(), bits.device)
     return (bits * weights).sum()
 
 

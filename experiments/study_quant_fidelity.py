@@ -18,11 +18,12 @@ import json
 import torch
 from study_upcycle_loss import TEXTS
 
+from fp4stack.device import resolve_device
 from fp4stack.models import hf
 from fp4stack.models.hf_import import gpt_from_hf
 from fp4stack.models.upcycle import upcycle_gpt
 from fp4stack.rl import policy as lm
-from fp4stack.rl.rollout import RolloutEngine
+from fp4stack.rl.fast_rollout import build_engine
 
 
 def padded_batch(token_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,15 +39,16 @@ def padded_batch(token_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, to
 
 @torch.no_grad()
 def fidelity(model: torch.nn.Module, precisions: list[str], tokens: torch.Tensor,
-             mask: torch.Tensor, dtype: torch.dtype | None) -> list[dict]:
-    """A row per precision: the engine's mean NLL and its |dlogp| against `model` (float32)."""
+             mask: torch.Tensor, dtype: torch.dtype | None, engine: str = "auto") -> list[dict]:
+    """A row per precision: the engine's mean NLL and its |dlogp| against `model` (float32);
+    `engine` as RLConfig.engine (auto: the fast engine on CUDA, the reference one elsewhere)."""
     scored = torch.nn.functional.pad(mask[:, 1:] & mask[:, :-1], (1, 0))
     want = lm.token_logprobs(model, tokens, mask)[scored]
     rows = [{"precision": "float32", "nll": -want.mean().item()}]
     for precision in precisions:
-        engine = RolloutEngine(model, None, precision, dtype=dtype)
-        engine.sync(model)
-        got = lm.token_logprobs(engine.model, tokens, mask)[scored]
+        rollout = build_engine(engine, model, None, precision, dtype=dtype)
+        rollout.sync(model)
+        got = lm.token_logprobs(rollout.model, tokens, mask)[scored]
         diff = (got - want).abs()
         rows.append({"precision": precision, "nll": -got.mean().item(),
                      "dlogp_mean": diff.mean().item(), "dlogp_max": diff.max().item()})
@@ -61,21 +63,25 @@ def main() -> None:
                    "with 1%% noise, as configs/rl/smollm2-worked.yaml")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="the engines' dtype (bfloat16: as on a GPU)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--engine", default="auto", choices=("auto", "fast", "reference"))
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args()
     loaded = hf.load(args.model)
-    dense = gpt_from_hf(loaded.model).eval()
+    device = resolve_device(args.device)
+    dense = gpt_from_hf(loaded.model).eval().to(device)
     tokens, mask = padded_batch([loaded.tokenizer.encode(t) for t in TEXTS],
                                 loaded.tokenizer.pad_token_id or 0)
+    tokens, mask = tokens.to(device), mask.to(device)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     rows = []
     for experts in (int(e) for e in args.upcycle.split(",")):
         model = dense if experts == 0 else upcycle_gpt(dense, experts, 2, expert_noise=0.01,
-                                                       seed=0).eval()
-        for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype):
+                                                       seed=0).eval().to(device)
+        for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype, args.engine):
             rows.append({"experts": experts, **r})
     print(f"{loaded.description}; {len(TEXTS)} texts, {int(mask.sum()) - len(TEXTS)} scored "
-          f"tokens; engines in {args.dtype}")
+          f"tokens; engines in {args.dtype} on {device}")
     print("| model | rollout | NLL (nats/token) | mean abs dlogp | max abs dlogp |\n"
           "|---|---|---:|---:|---:|")
     for r in rows:
@@ -84,8 +90,8 @@ def main() -> None:
               f"{r.get('dlogp_max', 0):.2f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": loaded.description, "dtype": args.dtype, "rows": rows}, f,
-                      indent=1)
+            json.dump({"model": loaded.description, "dtype": args.dtype, "device": str(device),
+                       "engine": args.engine, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

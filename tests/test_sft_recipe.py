@@ -91,3 +91,27 @@ def test_a_quantization_aware_start_fits_its_quantized_rollout_better():
                        completion_nll(engine.model, tokenizer, task))
     bf16_w4a4, qat_w4a4 = nll["bf16"][1], nll["nvfp4@forward"][1]
     assert qat_w4a4 < bf16_w4a4, nll
+
+
+def test_a_far_start_names_the_quantization_aware_warm_up():
+    from fp4stack.rl.trainer import start_hint
+
+    cfg = tiny(rollout="nvfp4", trainer="bf16")
+    hint = start_hint(cfg, {"k3": 430.0, "logp_diff_mean": 1.48})
+    assert hint is not None and "k3 430" in hint and "sft_recipe: nvfp4@forward" in hint
+    assert start_hint(cfg, {"k3": 0.07, "logp_diff_mean": 0.1}) is None  # a mismatch to measure
+    assert start_hint(cfg, {"k3": float("nan")}) is None
+    assert start_hint(cfg.with_overrides(sft_recipe="qat-w"), {"k3": 430.0}) is None
+    assert start_hint(cfg.with_overrides(sft_steps=0), {"k3": 430.0}) is None  # no warm-up
+
+
+def test_the_run_logs_the_hint_after_its_first_step(tmp_path, monkeypatch):
+    import fp4stack.rl.trainer as trainer
+
+    monkeypatch.setattr(trainer, "START_K3_HINT", -1.0)  # every first step counts as far here
+    said = []
+    trainer.run_rl(tiny(rollout="nvfp4", trainer="bf16", sft_steps=2, steps=2, eval_every=0,
+                        prompts_per_step=2, group_size=2, out=str(tmp_path / "{rollout}")),
+                   log=said.append)
+    hints = [s for s in said if s.startswith("rl: the nvfp4 engine's policy is far")]
+    assert len(hints) == 1, said

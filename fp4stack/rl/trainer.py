@@ -207,6 +207,22 @@ def start_engine(cfg: RLConfig, parts: RunParts, log=print) -> None:
         log(f"rl: compensation channels fixed from {n} task examples (static mode)")
 
 
+START_K3_HINT = 1.0  # k3 of the first step above which the start itself is the problem
+
+
+def start_hint(cfg: RLConfig, first: dict[str, Any]) -> str | None:
+    """A line for the log when the first step's k3 (`first`, its metrics) says the rollout
+    engine's policy is another one than the trainer's from the start, as a small policy's
+    NVFP4 copy of a BF16 warm-up can be (docs/results/rl.md); None otherwise."""
+    if not first.get("k3", 0.0) > START_K3_HINT or cfg.sft_recipe != "bf16" or not cfg.sft_steps:
+        return None
+    return (f"the {cfg.rollout} engine's policy is far from the trainer's from the first step "
+            f"(k3 {first['k3']:.3g}, per-token |dlogp| {first.get('logp_diff_mean', math.nan):.2f}"
+            f" on average): this model may be too sensitive to {cfg.rollout} to start from a "
+            "BF16 warm-up; a quantization-aware one (sft_recipe: nvfp4@forward or qat-w) "
+            "starts the engine closer")
+
+
 def draw_group(stream: Iterator[Example], cfg: RLConfig) -> list[Example]:
     """The next step's examples, one per row: each of prompts_per_step prompts group_size
     times."""
@@ -300,6 +316,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
                 f" | |dlogp| max {record['logp_diff_max']:.3f} | len "
                 f"{record['response_len']:.1f}" + (f" | pass@1 {record['pass_at_1']:.3f}"
                                                    if "pass_at_1" in record else ""))
+            if step == 1 and (hint := start_hint(cfg, record)):
+                log(f"rl: {hint}")
             if alarm is not None:
                 with warnings.catch_warnings():  # logged here, in the run's own output
                     warnings.simplefilter("ignore")

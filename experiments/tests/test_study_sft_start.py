@@ -27,8 +27,12 @@ def test_rows_per_recipe_and_precision(tmp_path, monkeypatch):
     assert by["bf16", "nvfp4"]["completion_nll"] != by["qat-w", "nvfp4"]["completion_nll"]
 
 
-def test_the_dense_probe_config_loads():
+def test_the_probe_configs_load():
     from fp4stack.rl.config import load_rl_config
 
-    cfg = load_rl_config("experiments/configs/smollm2_dense_sft_probe.yaml")
-    assert cfg.upcycle is None and cfg.sft_recipe == "bf16" and cfg.device == "cpu"
+    dense = load_rl_config("experiments/configs/smollm2_dense_sft_probe.yaml")
+    assert dense.upcycle is None and dense.sft_recipe == "bf16" and dense.device == "cpu"
+    moe = load_rl_config("experiments/configs/smollm2_moe_sft_probe.yaml")
+    assert moe.upcycle == {"n_experts": 8, "top_k": 2, "expert_noise": 0.01}
+    assert {k: v for k, v in vars(moe).items() if k not in ("upcycle", "out")} == {
+        k: v for k, v in vars(dense).items() if k not in ("upcycle", "out")}

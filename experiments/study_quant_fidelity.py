@@ -24,16 +24,12 @@ from fp4stack.models.hf_import import gpt_from_hf
 from fp4stack.models.upcycle import upcycle_gpt
 from fp4stack.rl import policy as lm
 from fp4stack.rl.fast_rollout import build_engine
+from fp4stack.rl.policies import left_padded
 
 
 def padded_batch(token_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The texts left-padded into one batch, as the rollout engine lays rows out."""
-    width = max(len(t) for t in token_ids)
-    tokens = torch.full((len(token_ids), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(token_ids), width, dtype=torch.bool)
-    for i, t in enumerate(token_ids):
-        tokens[i, width - len(t):] = torch.tensor(t)
-        mask[i, width - len(t):] = True
+    tokens, mask, _ = left_padded([(t, []) for t in token_ids], pad)
     return tokens, mask
 
 

@@ -30,7 +30,7 @@ from fp4stack.rl import policy as lm
 from fp4stack.rl.compare import parse_run
 from fp4stack.rl.config import load_rl_config
 from fp4stack.rl.fast_rollout import build_engine
-from fp4stack.rl.policies import encode_example
+from fp4stack.rl.policies import encode_example, left_padded
 from fp4stack.rl.trainer import evaluate, prepare_policy
 
 
@@ -56,26 +56,13 @@ def completion_mismatch(engine, model, examples, task) -> dict[str, float]:
     `examples` (teacher-forced, one left-padded batch), and the engine's mean negative log-prob
     of them."""
     rows = [encode_example(engine.tokenizer, e.prompt, task.completion(e)) for e in examples]
-    width = max(len(p) + len(c) for p, c in rows)
-    tokens = torch.full((len(rows), width), engine.tokenizer.pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    target = torch.zeros(len(rows), width, dtype=torch.bool)
-    for r, (p, c) in enumerate(rows):
-        tokens[r, width - len(p) - len(c):] = torch.tensor(p + c)
-        mask[r, width - len(p) - len(c):] = True
-        target[r, width - len(c):] = True
-    device = engine.device
-    tokens, mask, target = tokens.to(device), mask.to(device), target.to(device)
+    tokens, mask, target = (t.to(engine.device)
+                            for t in left_padded(rows, engine.tokenizer.pad_id))
     got = lm.token_logprobs(engine.model, tokens, mask)[target].float()
-    want = lm.token_logprobs(model, tokens.to(model_device(model)), mask.to(model_device(model))
-                             )[target.to(model_device(model))].float().to(device)
+    want = lm.token_logprobs(model, tokens, mask)[target].float()  # the engine is on its device
     diff = (got - want).abs()
     return {"dlogp_mean": diff.mean().item(), "dlogp_max": diff.max().item(),
             "completion_nll": -got.mean().item()}
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def main() -> None:

@@ -92,10 +92,13 @@ def weight_only(key: str) -> bool:
             and w is not None and w.format != "none" and w.rounding == "rne")
 
 
-def _quantized_stack(weight: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
-    # Q(W_e) in dtype for every expert, each with its own global amax, as the loop quantizes
-    # them one by one (an expert with no rows too: its GEMM adds nothing).
-    return torch.stack([quantize_operand(weight[e], spec, dtype=dtype)
+def _stack_in(weight: torch.Tensor, specs: dict | None, dtype: torch.dtype) -> torch.Tensor:
+    # The stack the grouped GEMMs multiply, in dtype: W for plain experts; for weight-only ones
+    # Q(W_e) of every expert, each with its own global amax, as the loop quantizes them one by
+    # one (an expert with no rows too: its GEMM adds nothing).
+    if specs is None:
+        return weight.to(dtype)
+    return torch.stack([quantize_operand(weight[e], specs["w"], dtype=dtype)
                         for e in range(weight.shape[0])])
 
 
@@ -133,11 +136,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     x_amax [E] a static activation amax per expert, seeds [E, 6] int64 for stochastic specs;
     host_counts the counts as read on the host already (eager callers), or None."""
     specs = _specs(recipe)
-    if specs is None and grouped_mm_runs(weight, dtype):
-        w_t = _aligned(weight.to(dtype)).transpose(-2, -1)
-        return torch._grouped_mm(_aligned(x.to(dtype)), w_t, offs=_offsets(counts))
-    if weight_only(recipe) and grouped_mm_runs(weight, dtype):
-        w_t = _quantized_stack(weight, specs["w"], dtype).transpose(-2, -1)
+    if (specs is None or weight_only(recipe)) and grouped_mm_runs(weight, dtype):
+        w_t = _aligned(_stack_in(weight, specs, dtype)).transpose(-2, -1)
         return torch._grouped_mm(_aligned(x.to(dtype)), w_t, offs=_offsets(counts))
     y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=dtype)
     if specs is None:  # the casts once for all experts: elementwise, so the same values
@@ -165,30 +165,25 @@ def grouped_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     """(dx [N, K] in x's dtype, dweight [E, O, K] in weight's): `_QuantLinearFn.backward` per
     expert, its saved operands re-quantized from x and weight with the forward's seeds."""
     specs = _specs(recipe)
+    if ((specs is None or (weight_only(recipe) and dy.dtype == dtype))
+            and grouped_mm_runs(weight, dy.dtype)):
+        # autograd's formulas for F.linear with the loop's operands (dy as it is, x and W, or
+        # the forward's Q(W), in dy's dtype); dw as xᵀ·dy, the loop's product, transposed
+        dy, offs = _aligned(dy.contiguous()), _offsets(counts)  # not expanded strides
+        x_low, w_low = _aligned(x.to(dy.dtype)), _aligned(_stack_in(weight, specs, dy.dtype))
+        dw = torch._grouped_mm(x_low.t(), dy, offs=offs).transpose(-2, -1)
+        return (torch._grouped_mm(dy, w_low, offs=offs).to(x.dtype),
+                torch.empty_like(weight).copy_(dw))
     if specs is None:  # autograd's formulas for F.linear, as the plain loop gets them, with the
         # casts once for all experts (elementwise: the same values) and dw in dy's dtype until
         # the end, as each expert's product was cast on its own
         x_low, w_low = x.to(dy.dtype), weight.to(dy.dtype)
-        if grouped_mm_runs(weight, dy.dtype):  # dw as xᵀ·dy, the loop's product, transposed
-            dy, offs = _aligned(dy.contiguous()), _offsets(counts)  # not expanded strides
-            x_low, w_low = _aligned(x_low), _aligned(w_low)
-            dw = torch._grouped_mm(x_low.t(), dy, offs=offs).transpose(-2, -1)
-            return (torch._grouped_mm(dy, w_low, offs=offs).to(x.dtype),
-                    torch.empty_like(weight).copy_(dw))
         dx, dw_low = torch.zeros_like(x), torch.zeros_like(weight, dtype=dy.dtype)
         for e, rows in _rows(counts, host_counts):
             dye = dy[rows]
             dx[rows] = dye.mm(w_low[e]).to(x.dtype)
             dw_low[e] = x_low[rows].t().mm(dye).t()
         return dx, dw_low.to(weight.dtype)
-    if weight_only(recipe) and dy.dtype == dtype and grouped_mm_runs(weight, dtype):
-        # The loop's operands (dy as it is, x cast to dtype, the forward's Q(W)) in two
-        # grouped GEMMs; dw as xᵀ·dy, transposed, as the plain experts'.
-        dy, offs = _aligned(dy.contiguous()), _offsets(counts)
-        qw = _quantized_stack(weight, specs["w"], dtype)
-        dw = torch._grouped_mm(_aligned(x.to(dtype)).t(), dy, offs=offs).transpose(-2, -1)
-        return (torch._grouped_mm(dy, qw, offs=offs).to(x.dtype),
-                torch.empty_like(weight).copy_(dw))
     dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
     for e, rows in _rows(counts, host_counts):
         xe, we, dye = x[rows], weight[e], dy[rows]

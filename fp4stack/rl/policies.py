@@ -84,6 +84,22 @@ def encode_example(tokenizer: lm.TokenizerLike, prompt: str, completion: str | N
     return p, c
 
 
+def left_padded(rows: list[tuple[list[int], list[int]]], pad_id: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, mask, target) [B, W] of (prompt, completion) token lists, left-padded as the
+    rollout engine lays prompts out; target marks the completions' tokens."""
+    width = max(len(p) + len(c) for p, c in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    target = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, (p, c) in enumerate(rows):
+        seq = p + c
+        tokens[r, width - len(seq):] = torch.tensor(seq)
+        mask[r, width - len(seq):] = True
+        target[r, width - len(c):] = True
+    return tokens, mask, target
+
+
 def sft_warmup(model: nn.Module, tokenizer: lm.TokenizerLike, task: Task, *, steps: int,
                batch_size: int, lr: float, seed: int, device: torch.device,
                recipe: str = "bf16", log=print) -> list[float]:
@@ -115,16 +131,7 @@ def sft_warmup(model: nn.Module, tokenizer: lm.TokenizerLike, task: Task, *, ste
         rows = [encode_example(tokenizer, e.prompt, task.completion(e))
                 for e in (next(stream) for _ in range(batch_size))]
         rng.shuffle(rows)
-        width = max(len(p) + len(c) for p, c in rows)
-        tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        target = torch.zeros(len(rows), width, dtype=torch.bool)
-        for r, (p, c) in enumerate(rows):  # left-padded, as the rollout engine lays prompts out
-            seq = p + c
-            tokens[r, width - len(seq):] = torch.tensor(seq)
-            mask[r, width - len(seq):] = True
-            target[r, width - len(c):] = True
-        tokens, mask, target = tokens.to(device), mask.to(device), target.to(device)
+        tokens, mask, target = (t.to(device) for t in left_padded(rows, tokenizer.pad_id))
         logits = lm.forward_logits(model, tokens, mask)[:, :-1].float()
         loss = F.cross_entropy(logits[target[:, 1:]], tokens[:, 1:][target[:, 1:]])
         aux = model.aux_loss if isinstance(model, GPT) else moe_aux_loss(model)

@@ -75,6 +75,25 @@ def test_runs_that_differ_in_a_field_are_named_by_it_and_other_starts_are_flagge
         capsys.readouterr().out
 
 
+def test_an_older_runs_missing_field_reads_as_its_default_and_micro_batches_name_nothing(
+        tmp_path):
+    # Arms trained by an fp4stack without a later field (here sft_recipe), or at another
+    # micro-batch size (the same update summed in another order), are one comparison.
+    run_rl_comparison(_tiny(), ["bf16"], tmp_path / "a", log=_quiet, verbose=False)
+    run_rl_comparison(_tiny(micro_batch_size=1), ["fp8"], tmp_path / "b", log=_quiet,
+                      verbose=False)
+    config = tmp_path / "a" / "bf16" / "config.json"
+    older = json.loads(config.read_text())
+    del older["sft_recipe"]
+    config.write_text(json.dumps(older))
+    assert [r["run"] for r in collect_rows([tmp_path / "a", tmp_path / "b"])] == ["bf16", "fp8"]
+    # A field set away from its default in one of them still names the runs.
+    run_rl_comparison(_tiny(sft_recipe="qat-w"), ["bf16"], tmp_path / "c", log=_quiet,
+                      verbose=False)
+    assert [r["run"] for r in collect_rows([tmp_path / "a", tmp_path / "c"])] == [
+        "bf16 sft_recipe=bf16", "bf16 sft_recipe=qat-w"]
+
+
 def test_report_errors_name_the_directory(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     for dirs, match in ((tmp_path / "missing", "is not a directory"),

@@ -11,6 +11,7 @@ comparison.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import statistics
 from collections.abc import Iterable
@@ -19,13 +20,14 @@ from typing import Any
 
 from ..files import make_output_dir
 from ..train.metrics import read_metrics
-from .config import RUN_FIELDS, default_trainer
+from .config import RUN_FIELDS, RLConfig, default_trainer
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
-# Config fields that a run's name states, that every run of a comparison differs in, or that
-# only say when a run stops (its steps are in the table).
-_NAMED = (*RUN_FIELDS, "steps", "max_minutes")
+# Config fields that a run's name states, that every run of a comparison differs in, that only
+# say when a run stops (its steps are in the table), or how the same update is computed
+# (micro-batches change only the order of the gradient's sums).
+_NAMED = (*RUN_FIELDS, "steps", "max_minutes", "micro_batch_size")
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -133,6 +135,10 @@ def run_name(result: dict[str, Any]) -> str:
     return name
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RLConfig)
+             if f.default is not dataclasses.MISSING}
+
+
 def _scalar(v: Any) -> bool:
     return isinstance(v, (int, float, str, bool)) or v is None
 
@@ -148,6 +154,8 @@ def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
         for path in sorted(Path(d).rglob(RESULT_FILE)):
             config = path.parent / CONFIG_FILE
             cfg = json.loads(config.read_text()) if config.exists() else {}
+            # A field the run's version of fp4stack did not have is at its default.
+            cfg = {**_DEFAULTS, **cfg} if cfg else cfg
             found.append((json.loads(path.read_text()), cfg, path.parent))
     if not found:
         raise FileNotFoundError(f"report: no finished run ({RESULT_FILE}) under "

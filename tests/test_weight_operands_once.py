@@ -113,3 +113,50 @@ def test_one_amax_serves_an_operand_and_its_columnwise_copy(specs, shares):
             own = operands.quantize_operand(x, spec, columnwise=columnwise, seed=3)
             given = operands.quantize_operand(x, spec, amax, columnwise=columnwise, seed=3)
             assert torch.equal(own, given)
+
+
+def _rl_update(trainer_recipe: str, cached: bool, monkeypatch):
+    """Gradients of one 2-micro-batch GRPO update of a grouped-experts MoE, and how many
+    expert weights the grouped ops quantized."""
+    from fp4stack.convert import quantize_model
+    from fp4stack.nn import grouped_experts
+    from fp4stack.rl import update
+    from fp4stack.rl.config import RLConfig
+    from fp4stack.rl.rollout import Rollout
+
+    if not cached:
+        monkeypatch.setattr(update, "weight_operands_once", nullcontext)
+    made = []
+    real_q = grouped_experts.quantize_operand
+
+    def counted_q(t, spec, *a, **k):
+        made.append("q")
+        return real_q(t, spec, *a, **k)
+
+    monkeypatch.setattr(grouped_experts, "quantize_operand", counted_q)
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=32, moe=True,
+                        n_experts=4, top_k=2, moe_hidden=32, max_seq_len=32)).train()
+    if trainer_recipe != "bf16":
+        quantize_model(gpt, trainer_recipe)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (8, 12), generator=g)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    resp = mask.clone()
+    resp[:, :4] = False
+    rollout = Rollout(tokens, mask, resp, -torch.rand(tokens.shape, generator=g) * resp, 4)
+    opt = torch.optim.SGD(gpt.parameters(), lr=0.0)  # the gradients are what is compared
+    cfg = RLConfig(micro_batch_size=4, trainer=trainer_recipe, trainer_dtype="bfloat16")
+    update.train_step(gpt, opt, rollout, torch.randn(8, generator=g), cfg, None,
+                      log=lambda *a: None)
+    monkeypatch.undo()
+    return [p.grad for p in gpt.parameters()], len(made)
+
+
+def test_grouped_experts_quantize_their_stack_once_an_update_with_the_same_bits(monkeypatch):
+    (eager, n_eager), (cached, n_cached) = (_rl_update("qat-w", c, monkeypatch)
+                                            for c in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(eager, cached, strict=True))
+    # 2 blocks x 2 projections x 4 experts: quantized once an update instead of in the forward
+    # and the backward of each of the 2 micro-batches
+    assert n_cached == 2 * 2 * 4 and n_eager == 4 * n_cached

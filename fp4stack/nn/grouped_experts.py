@@ -24,7 +24,7 @@ import torch
 from ..formats.spec import QuantSpec
 from ..kernels.expert_order import expert_order
 from ..ops import spec_from_key, spec_key
-from .operands import _compute_dtype, quantize_operand, quantize_operand_pair
+from .operands import _compute_dtype, quantize_operand, quantize_operand_pair, step_operand
 from .recipe import Recipe
 
 # The operands of an expert GEMM's recipe, in the order of the seeds' columns.
@@ -95,11 +95,12 @@ def weight_only(key: str) -> bool:
 def _stack_in(weight: torch.Tensor, specs: dict | None, dtype: torch.dtype) -> torch.Tensor:
     # The stack the grouped GEMMs multiply, in dtype: W for plain experts; for weight-only ones
     # Q(W_e) of every expert, each with its own global amax, as the loop quantizes them one by
-    # one (an expert with no rows too: its GEMM adds nothing).
+    # one (an expert with no rows too: its GEMM adds nothing). Made once for the forward and
+    # the backward of every micro-batch of an update (`weight_operands_once`).
     if specs is None:
-        return weight.to(dtype)
-    return torch.stack([quantize_operand(weight[e], specs["w"], dtype=dtype)
-                        for e in range(weight.shape[0])])
+        return step_operand(weight, ("cast", dtype), lambda: weight.to(dtype))
+    return step_operand(weight, ("experts", specs["w"], dtype), lambda: torch.stack(
+        [quantize_operand(weight[e], specs["w"], dtype=dtype) for e in range(weight.shape[0])]))
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:

@@ -115,19 +115,28 @@ def weight_operands_once() -> Iterator[None]:
         _STEP_WEIGHTS = outer
 
 
+def step_operand(w: torch.Tensor, key: tuple, make):
+    """make(), an operand computed from the tensor w alone (`key` says how), reused inside
+    `weight_operands_once` for the same w, unchanged (its version counter), and key."""
+    cache = _STEP_WEIGHTS
+    if cache is None or torch.compiler.is_compiling():
+        return make()
+    full = (id(w), w._version, key)
+    hit = cache.get(full)
+    if hit is None:  # w is kept with its operand: its id cannot be reused meanwhile
+        hit = cache[full] = (w, make())
+    return hit[1]
+
+
 def weight_operand(w: torch.Tensor, spec: QuantSpec | None, amax=None, columnwise: bool = False,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """quantize_operand of a weight, reused inside `weight_operands_once` (see there)."""
-    cache = _STEP_WEIGHTS
-    if (cache is None or spec is None or spec.rounding == "stochastic"
-            or not isinstance(w, nn.Parameter) or torch.compiler.is_compiling()):
+    def make():
         return quantize_operand(w, spec, amax, columnwise=columnwise, dtype=dtype)
-    key = (id(w), w._version, spec, columnwise, dtype, amax is None)
-    hit = cache.get(key)
-    if hit is None:  # the parameter is kept with its operand: its id cannot be reused meanwhile
-        hit = cache[key] = (w, quantize_operand(w, spec, amax, columnwise=columnwise,
-                                                dtype=dtype))
-    return hit[1]
+
+    if spec is None or spec.rounding == "stochastic" or not isinstance(w, nn.Parameter):
+        return make()
+    return step_operand(w, (spec, columnwise, dtype, amax is None), make)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -116,10 +116,11 @@ def weight_operands_once() -> Iterator[None]:
 
 
 def step_operand(w: torch.Tensor, key: tuple, make):
-    """make(), an operand computed from the tensor w alone (`key` says how), reused inside
-    `weight_operands_once` for the same w, unchanged (its version counter), and key."""
+    """make(), an operand computed from the parameter w alone (`key` says how), reused inside
+    `weight_operands_once` for the same w, unchanged (its version counter), and key. Only
+    parameters are cached: an activation's id would not say it is the same tensor."""
     cache = _STEP_WEIGHTS
-    if cache is None or torch.compiler.is_compiling():
+    if cache is None or not isinstance(w, nn.Parameter) or torch.compiler.is_compiling():
         return make()
     full = (id(w), w._version, key)
     hit = cache.get(full)
@@ -134,7 +135,7 @@ def weight_operand(w: torch.Tensor, spec: QuantSpec | None, amax=None, columnwis
     def make():
         return quantize_operand(w, spec, amax, columnwise=columnwise, dtype=dtype)
 
-    if spec is None or spec.rounding == "stochastic" or not isinstance(w, nn.Parameter):
+    if spec is None or spec.rounding == "stochastic":
         return make()
     return step_operand(w, (spec, columnwise, dtype, amax is None), make)
 

@@ -1,6 +1,6 @@
 """fp4stack: stable, fast NVFP4 training of large language models."""
 
-from .api import dequantize, fake_quantize, quantize
+from .api import dequantize, fake_quantize, fake_quantize_stack, quantize, quantize_stack
 from .compressed_tensors import load_quantized, save_quantized
 from .convert import ConversionSummary, quantize_model
 from .formats import (
@@ -25,5 +25,5 @@ __all__ = [
     "Recipe", "ResidualCompensation", "dequantize", "dequantize_fp8", "fake_quantize",
     "fake_quantize_fp8", "quantize", "quantize_fp8", "quantize_model", "recipe", "rht",
     "rht_inverse", "swizzle_scales", "unswizzle_scales", "load_quantized", "save_quantized",
-    "restore_expert_weights",
+    "restore_expert_weights", "quantize_stack", "fake_quantize_stack",
 ]

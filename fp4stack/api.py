@@ -19,8 +19,8 @@ from .formats.spec import QuantSpec
 from .formats.tensor import NVFP4Tensor
 from .ops import backend_for
 
-__all__ = ["backend_for", "check_seed", "dequantize", "fake_quantize", "global_amax",
-           "make_spec", "quantize"]
+__all__ = ["backend_for", "check_seed", "dequantize", "fake_quantize", "fake_quantize_stack",
+           "global_amax", "make_spec", "quantize", "quantize_stack", "stackable"]
 
 
 def _impl(device: torch.device):
@@ -196,6 +196,30 @@ def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     each matrix's decode scale."""
     _check_tensor(x, "x")
     return _impl(x.device).quantize_units(x, spec)
+
+
+def stackable(spec: QuantSpec) -> bool:
+    """Whether quantize_stack and fake_quantize_stack take `spec`: NVFP4 with one global scale
+    a matrix, rounded to nearest."""
+    return spec.format == "nvfp4" and not spec.row_scaled and spec.rounding == "rne"
+
+
+def quantize_stack(x: torch.Tensor, spec: QuantSpec, *, name: str = "input"
+                   ) -> list[NVFP4Tensor]:
+    """Each matrix of x [..., M, K] (leading dims flattened) quantized by `spec` as alone, with
+    its own global amax: `[quantize(m, spec=spec) for m in matrices]` bit for bit, in a few
+    launches for the whole stack (expert weights). NVFP4, per-tensor scale, round-to-nearest."""
+    _check_tensor(x, name)
+    return _impl(x.device).quantize_stack(x, spec, name=name)
+
+
+def fake_quantize_stack(x: torch.Tensor, spec: QuantSpec, *, name: str = "input",
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fake_quantize of each matrix of x [..., M, K] with its own global amax, shaped as x, in
+    `dtype` (default x's), bit for bit as one matrix at a time; no gradient (a weight stack
+    quantized for GEMMs whose backward is written out). As quantize_stack."""
+    _check_tensor(x, name)
+    return _impl(x.device).fake_quantize_stack(x, spec, name=name, dtype=dtype)
 
 
 def _traced_amax(x: torch.Tensor, spec: QuantSpec, amax):

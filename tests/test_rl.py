@@ -97,6 +97,29 @@ def test_sync_ships_the_trainers_quantized_weights_and_catches_corruption():
         load_weights(engine.model, update)
 
 
+def test_a_stacks_checksums_are_each_entrys_from_one_dequantization():
+    # Each entry decoded with its own amax (nine decades apart here), summed in one reduction:
+    # the checksums of dequantizing one expert at a time.
+    import fp4stack.rl.sync as sync
+    from fp4stack.formats.spec import QuantSpec
+    from fp4stack.nn.packed import PackedSlot
+
+    spec = QuantSpec(nan_policy="propagate")
+    w = torch.randn(4, 24, 40) * torch.logspace(-6, 3, 4)[:, None, None]
+    packed = fp4stack.quantize_stack(w, spec)
+    slot = PackedSlot("gate_up", "gate_up_proj", torch.Size((24, 40)), spec, "amax", count=4)
+    state = slot.state(packed)
+    sums = sync._stack_checksums(*(state[k] for k in slot.keys), slot)
+    assert list(sums) == [f"gate_up[{i}]" for i in range(4)]
+    for i, q in enumerate(packed):
+        assert int(sums[f"gate_up[{i}]"]) == checksum(fp4stack.dequantize(q, torch.float32))
+        assert torch.equal(fp4stack.dequantize(q), fp4stack.fake_quantize(w[i], spec=spec))
+    amax = state["gate_up_amax"].clone()
+    amax[1] *= 2  # a stale amax of one expert moves its checksum alone
+    moved = sync._stack_checksums(state["gate_up_data"], state["gate_up_scales"], amax, slot)
+    assert [int(moved[k]) != int(sums[k]) for k in sums] == [False, True, False, False]
+
+
 def test_checksum_sees_position_and_value():
     t = torch.randn(64)
     assert checksum(t) == checksum(t.clone())

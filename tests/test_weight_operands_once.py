@@ -117,7 +117,7 @@ def test_one_amax_serves_an_operand_and_its_columnwise_copy(specs, shares):
 
 def _rl_update(trainer_recipe: str, cached: bool, monkeypatch):
     """Gradients of one 2-micro-batch GRPO update of a grouped-experts MoE, and how many
-    expert weights the grouped ops quantized."""
+    expert stacks the grouped ops quantized."""
     from fp4stack.convert import quantize_model
     from fp4stack.nn import grouped_experts
     from fp4stack.rl import update
@@ -127,13 +127,13 @@ def _rl_update(trainer_recipe: str, cached: bool, monkeypatch):
     if not cached:
         monkeypatch.setattr(update, "weight_operands_once", nullcontext)
     made = []
-    real_q = grouped_experts.quantize_operand
+    real = grouped_experts.fake_quantize_stack
 
-    def counted_q(t, spec, *a, **k):
-        made.append("q")
-        return real_q(t, spec, *a, **k)
+    def counted(t, spec, **k):
+        made.append(t.shape)
+        return real(t, spec, **k)
 
-    monkeypatch.setattr(grouped_experts, "quantize_operand", counted_q)
+    monkeypatch.setattr(grouped_experts, "fake_quantize_stack", counted)
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=32, moe=True,
                         n_experts=4, top_k=2, moe_hidden=32, max_seq_len=32)).train()
@@ -157,6 +157,6 @@ def test_grouped_experts_quantize_their_stack_once_an_update_with_the_same_bits(
     (eager, n_eager), (cached, n_cached) = (_rl_update("qat-w", c, monkeypatch)
                                             for c in (False, True))
     assert all(torch.equal(a, b) for a, b in zip(eager, cached, strict=True))
-    # 2 blocks x 2 projections x 4 experts: quantized once an update instead of in the forward
-    # and the backward of each of the 2 micro-batches
-    assert n_cached == 2 * 2 * 4 and n_eager == 4 * n_cached
+    # 2 blocks x 2 projections (4 experts a stack): quantized once an update instead of in the
+    # forward and the backward of each of the 2 micro-batches
+    assert n_cached == 2 * 2 and n_eager == 4 * n_cached

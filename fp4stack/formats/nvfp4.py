@@ -279,11 +279,32 @@ def fake_quantize(
     return dequantize(quantize(x, spec, amax=amax, seed=seed, name=name), dtype or x.dtype)
 
 
-def check_units_spec(spec: QuantSpec) -> None:
-    """quantize_units takes a per-tensor global scale and round-to-nearest (each matrix's own
-    amax; no draws, whose order would depend on how the stack is split)."""
+def check_units_spec(spec: QuantSpec, what: str = "quantize_units") -> None:
+    """A stack's quantization (quantize_units, quantize_stack) takes a per-tensor global scale
+    and round-to-nearest (each matrix's own amax; no draws, whose order would depend on how the
+    stack is split)."""
     if spec.row_scaled or spec.rounding == "stochastic":
-        raise ValueError(f"quantize_units takes a per-tensor, round-to-nearest spec, got {spec}")
+        raise ValueError(f"{what} takes a per-tensor, round-to-nearest spec, got {spec}")
+
+
+def quantize_stack(x: torch.Tensor, spec: QuantSpec, name: str = "input") -> list[NVFP4Tensor]:
+    """Each matrix of x [..., M, K] (leading dims flattened) quantized as alone, with its own
+    global amax: a stack of expert weights, each its own tensor."""
+    check_input(x, spec, name)
+    check_units_spec(spec, "quantize_stack")
+    if x.dim() < 2:
+        raise ValueError(f"{name}: quantize_stack takes matrices, got shape {tuple(x.shape)}")
+    return [quantize(m, spec, name=name) for m in x.reshape(-1, *x.shape[-2:])]
+
+
+def fake_quantize_stack(x: torch.Tensor, spec: QuantSpec, *, name: str = "input",
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fake_quantize of each matrix of x [..., M, K] with its own global amax, shaped as x, in
+    `dtype` (default x's)."""
+    mats = quantize_stack(x, spec, name)
+    if not mats:
+        return x.to(dtype or x.dtype)
+    return torch.stack([dequantize(q, dtype or x.dtype) for q in mats]).reshape(x.shape)
 
 
 def quantize_units(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:

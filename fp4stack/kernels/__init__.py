@@ -31,7 +31,7 @@ def available() -> bool:
 # formats.nvfp4 for the others): loaded from kernels/nvfp4.py on first use, so importing the
 # package does not import Triton.
 BACKEND_FUNCTIONS = ("quantize", "dequantize", "fake_quantize", "fake_quantize_pair",
-                     "quantize_units")
+                     "quantize_units", "quantize_stack", "fake_quantize_stack")
 
 
 def __getattr__(name: str):

@@ -178,9 +178,10 @@ def global_amax(x: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
 
 
 def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
-         out_dtype: torch.dtype | None = None):
+         out_dtype: torch.dtype | None = None, per_matrix: bool = False):
+    # per_matrix: each matrix x3[b] of x [..., M, K] with its own amax (a stack; no amax given)
     reference.check_input(x, spec, name)
-    x3 = _rows_contiguous(_as_3d(x, spec))
+    x3 = _rows_contiguous(x.reshape(-1, *x.shape[-2:]) if per_matrix else _as_3d(x, spec))
     b, m, k = x3.shape
     kp = padded_k(k)
     check = spec.nan_policy == "raise"
@@ -190,7 +191,10 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
     check_amax = here = False
     if spec.row_scaled:
         reference.refuse_row_amax(amax, name)
-    if amax is None:
+    if per_matrix:
+        amax_t = _amax(x3, spec, per_matrix=True)
+        check_amax, check = check, False
+    elif amax is None:
         # A small operand (a decoding step's) has its amax computed by the quantize kernel's
         # programs themselves, each from the whole tensor (or its own rows): one launch.
         here = amax_here(b * m * k, grid[1] if spec.row_scaled else grid[0] * grid[1] * grid[2])
@@ -223,7 +227,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
         SIGN_MASK=SIGN_MASK, STOCHASTIC=spec.rounding == "stochastic",
         FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max, FAKE=fake,
         CHECK_FINITE=check, ROW_AMAX=spec.row_scaled, AMAX_HERE=here, B=b,
-        num_warps=tile.num_warps, **_launch_options(),
+        MATRIX_AMAX=per_matrix, num_warps=tile.num_warps, **_launch_options(),
     )
     # Checked after the launch, so the host waits while the kernel runs, not before it.
     if check_amax:
@@ -232,6 +236,10 @@ def _run(x: torch.Tensor, spec: QuantSpec, amax, seed, name: str, fake: bool,
         reference.raise_if_flagged(bool(nonfinite.sum().item()), x, name)
     if fake:
         return out.reshape(x.shape)
+    if per_matrix:
+        scales = scales.view(torch.float8_e4m3fn)
+        return [NVFP4Tensor(data=data[i], scales=scales[i], amax=amax_t[i], shape=(m, k),
+                            spec=spec) for i in range(b)]
     lead = x.shape[:-1]
     scales = scales.view(torch.float8_e4m3fn).reshape(*lead, kp // BLOCK)
     if spec.row_scaled:
@@ -268,6 +276,31 @@ def fake_quantize(
     if x.numel() == 0:
         return reference.fake_quantize(x, spec, amax=amax, seed=seed, name=name, dtype=dtype)
     return _run(x, spec, amax, seed, name, fake=True, out_dtype=dtype)
+
+
+def _check_stack(x: torch.Tensor, spec: QuantSpec, name: str) -> None:
+    reference.check_units_spec(spec, "quantize_stack")
+    if x.dim() < 2:
+        raise ValueError(f"{name}: quantize_stack takes matrices, got shape {tuple(x.shape)}")
+
+
+def quantize_stack(x: torch.Tensor, spec: QuantSpec, name: str = "input") -> list[NVFP4Tensor]:
+    """Each matrix of x [..., M, K] quantized as alone (its own global amax), in two or three
+    launches for the stack instead of two a matrix; reference.quantize_stack's bits."""
+    _check_stack(x, spec, name)
+    if x.numel() == 0:
+        return reference.quantize_stack(x, spec, name)
+    return _run(x, spec, None, None, name, fake=False, per_matrix=True)
+
+
+def fake_quantize_stack(x: torch.Tensor, spec: QuantSpec, *, name: str = "input",
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fake_quantize of each matrix of x [..., M, K] with its own global amax, in one pass for
+    the stack; reference.fake_quantize_stack's bits."""
+    _check_stack(x, spec, name)
+    if x.numel() == 0:
+        return reference.fake_quantize_stack(x, spec, name=name, dtype=dtype)
+    return _run(x, spec, None, None, name, fake=True, out_dtype=dtype, per_matrix=True)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

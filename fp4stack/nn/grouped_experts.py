@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from ..api import fake_quantize_stack, stackable
 from ..formats.spec import QuantSpec
 from ..kernels.expert_order import expert_order
 from ..ops import spec_from_key, spec_key
@@ -99,8 +100,12 @@ def _stack_in(weight: torch.Tensor, specs: dict | None, dtype: torch.dtype) -> t
     # the backward of every micro-batch of an update (`weight_operands_once`).
     if specs is None:
         return step_operand(weight, ("cast", dtype), lambda: weight.to(dtype))
-    return step_operand(weight, ("experts", specs["w"], dtype), lambda: torch.stack(
-        [quantize_operand(weight[e], specs["w"], dtype=dtype) for e in range(weight.shape[0])]))
+    spec = specs["w"]
+    if stackable(spec):  # the whole stack in one quantize pass, the loop's bits
+        return step_operand(weight, ("experts", spec, dtype),
+                            lambda: fake_quantize_stack(weight.detach(), spec, dtype=dtype))
+    return step_operand(weight, ("experts", spec, dtype), lambda: torch.stack(
+        [quantize_operand(weight[e], spec, dtype=dtype) for e in range(weight.shape[0])]))
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,13 @@ amax or a flipped bit, which the usual probability-difference metric can miss.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
-from ..api import dequantize, quantize
+from ..api import dequantize, quantize, quantize_stack, stackable
+from ..formats.tensor import NVFP4Tensor
 from ..nn.fused import shared_amax
 from ..nn.linear import QuantLinear
 from ..nn.packed import PackedSlot, PackedState
@@ -48,6 +49,26 @@ def _checksum(t: Tensor) -> Tensor:
     weights = (_cached_position_weights if bits.numel() <= _CACHED_WEIGHTS
                else _position_weights)(bits.numel(), bits.device)
     return (bits * weights).sum()
+
+
+def _stack_checksums(data: Tensor, scales: Tensor, amax: Tensor, slot: PackedSlot
+                     ) -> dict[str, Tensor]:
+    # Per entry of a packed stack (buffers [E, ...], amax [E]), the checksum of its dequantized
+    # values, all from one dequantization: each row decoded with its matrix's amax (row-scaled),
+    # the bits of dequantizing one matrix at a time, and the sums in one reduction.
+    e, (m, k) = data.shape[0], slot.shape
+    if slot.spec.is_2d or slot.spec.row_scaled or len(slot.shape) != 2:
+        return {f"{slot.name}[{i}]": _checksum(dequantize(
+                    NVFP4Tensor(data[i], scales[i], amax[i], slot.shape, slot.spec), torch.float32))
+                for i in range(e)}
+    rows = NVFP4Tensor(data.reshape(e * m, -1), scales.reshape(e * m, -1),
+                       amax.reshape(e, 1).expand(e, m).reshape(e * m, 1), (e * m, k),
+                       replace(slot.spec, global_scale="row"))
+    bits = dequantize(rows, torch.float32).reshape(e, m * k).view(torch.int32).long()
+    weights = (_cached_position_weights if m * k <= _CACHED_WEIGHTS
+               else _position_weights)(m * k, bits.device)
+    sums = (bits * weights).sum(dim=1)  # integer sums: the order does not change them
+    return dict(zip(slot.entries(), sums.unbind(0), strict=True))
 
 
 def checksum(t: Tensor) -> int:
@@ -94,12 +115,19 @@ def _pack_slot(trainer: nn.Module, p: str, slot: PackedSlot,
     # The engine buffers of `slot` holding the trainer's master weight quantized, and per entry
     # the checksum of the values the trainer multiplies by.
     w = _trainer_weight(trainer, p + slot.master)
-    parts = [w] if slot.count is None else list(w)
-    packed = [quantize(x, spec=slot.spec, amax=amax) for x in parts]
+    if slot.count is None:
+        packed = [quantize(w, spec=slot.spec, amax=amax)]
+    elif amax is None and stackable(slot.spec):  # every expert at once, each its own amax
+        packed = quantize_stack(w, slot.spec)
+    else:
+        packed = [quantize(x, spec=slot.spec, amax=amax) for x in w]
     state = slot.state(packed)
     # dequantize(quantize(x)) is fake_quantize(x) bit for bit: one quantization per entry
-    sums = {p + entry: _checksum(dequantize(q, torch.float32))
-            for entry, q in zip(slot.entries(), packed, strict=True)}
+    if slot.count is None:
+        sums = {p + slot.name: _checksum(dequantize(packed[0], torch.float32))}
+    else:
+        sums = {p + entry: v for entry, v in
+                _stack_checksums(*(state[key] for key in slot.keys), slot).items()}
     return {p + k: v for k, v in state.items()}, sums
 
 
@@ -160,8 +188,13 @@ def load_weights(engine: nn.Module, update: WeightUpdate) -> int:
     for prefix, module in engine.named_modules():
         if isinstance(module, PackedState):
             p = f"{prefix}." if prefix else ""
-            for entry, t in module.packed_tensors():
-                sums[p + entry] = _checksum(dequantize(t, torch.float32))
+            for slot in module.packed_slots().values():
+                if slot.count is None:
+                    sums[p + slot.name] = _checksum(dequantize(slot.read(module), torch.float32))
+                    continue
+                parts = (getattr(module, key) for key in slot.keys)
+                sums.update({p + entry: v for entry, v in
+                             _stack_checksums(*parts, slot).items()})
     for name, t in engine.state_dict().items():
         if name in update.checksums:
             sums[name] = _checksum(t)

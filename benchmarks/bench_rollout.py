@@ -23,6 +23,8 @@ import datetime
 import functools
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -204,7 +206,8 @@ def engine_variants(args) -> list[tuple[str, dict]]:
 
 def parse_arm(text: str) -> dict:
     """A GRPO timing arm ENGINE[@ENGINE_DEVICE][+ahead]: fast@cuda:1+ahead is the fast engine
-    on the second GPU, sampling one step ahead (off_policy 1) while the trainer trains."""
+    on the second GPU, sampling one step ahead (off_policy 1) while the trainer trains;
+    fast@process the engine as the second process of a two-process torchrun, on its own GPU."""
     engine, ahead = (text[:-len("+ahead")], 1) if text.endswith("+ahead") else (text, 0)
     engine, _, where = engine.partition("@")
     if engine not in ("fast", "reference"):
@@ -218,8 +221,27 @@ def default_arms() -> str:
     one step ahead on either."""
     arms = "fast,reference,fast+ahead"
     if torch.cuda.device_count() > 1:
-        arms += ",fast@cuda:1,fast@cuda:1+ahead"
+        arms += ",fast@cuda:1,fast@cuda:1+ahead,fast@process,fast@process+ahead"
     return arms
+
+
+def _run_arm(cfg) -> None:
+    # One process, or (engine_device: process) the two of a torchrun, each on its own GPU.
+    import yaml
+
+    from fp4stack.rl.trainer import run_rl
+
+    if cfg.engine_device != "process":
+        run_rl(cfg, log=lambda *a: None)
+        return
+    config = cfg.out_dir.with_suffix(".yaml")
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "fp4stack.cli", "rl", "--config", str(config)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
 
 
 def grpo_step_times(steps: int, config: Path, arms: list[dict], device: str) -> list[dict]:
@@ -227,7 +249,6 @@ def grpo_step_times(steps: int, config: Path, arms: list[dict], device: str) -> 
     arm, with the median seconds of its generation and of the trainer's wait for it; the first
     two steps (compilation, graph capture, the first step ahead) are left out."""
     from fp4stack.rl.config import load_rl_config
-    from fp4stack.rl.trainer import run_rl
     from fp4stack.train.metrics import read_metrics
 
     rows = []
@@ -238,7 +259,7 @@ def grpo_step_times(steps: int, config: Path, arms: list[dict], device: str) -> 
                                  engine_device=arm["engine_device"],
                                  off_policy=arm["off_policy"], steps=steps + 2, sft_steps=0,
                                  eval_every=0, device=device, out=str(out))
-            run_rl(cfg, log=lambda *a: None)
+            _run_arm(cfg)
             records = [r for r in read_metrics(out) if "step_s" in r][2:]
             rows.append({**arm, "steps": len(records),
                          **{k: statistics.median(r[k] for r in records)

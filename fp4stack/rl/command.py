@@ -49,7 +49,8 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                         "or auto (fast for fp4stack GPT policies on CUDA; the default)")
     p.add_argument("--engine-device",
                    help="the rollout engine's own device, e.g. cuda:1 (default: the config's; "
-                        "'same' is the trainer's)")
+                        "'same' is the trainer's), or 'process': under torchrun "
+                        "--nproc_per_node=2, rank 1 runs the engine on its own device")
     p.add_argument("--off-policy", type=int, choices=(0, 1),
                    help="1: sample the next step's rollouts while this step trains (one step "
                         "of policy lag; overlaps rollout and training on two devices)")
@@ -102,6 +103,8 @@ def run_rl_command(args: argparse.Namespace) -> int:
                       engine=args.engine, engine_device=args.engine_device,
                       off_policy=args.off_policy, out=args.out)
         result = run_rl(cfg)
+        if result is None:  # the engine process of engine_device: process
+            return 0
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("rl", e)
     except (WeightSyncError, MismatchAlarmError) as e:

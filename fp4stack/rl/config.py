@@ -28,6 +28,7 @@ def default_trainer(rollout: str) -> str:
     return "qat-w" if rollout in _QAT_ROLLOUTS else "bf16"
 CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
 ALARM_ACTIONS = ("off", "warn", "stop")
+ENGINE_PROCESS = "process"  # engine_device: the engine as rank 1 of a two-process torchrun
 # The keys a policy of each kind takes (a gpt policy's are GPTConfig fields and `preset`).
 POLICY_KEYS = {"gpt": (), "smollm2": ("kind", "as_gpt"), "hf": ("kind", "path", "as_gpt")}
 
@@ -65,7 +66,9 @@ class RLConfig:
     # CUDA for GPT policies
     engine: str = "auto"
     # engine_device: the rollout engine's own device ("same": the trainer's; e.g. cuda:1 on a
-    # host of two GPUs: the refit is a device-to-device copy, self-checked as always).
+    # host of two GPUs: the refit is a device-to-device copy, self-checked as always), or
+    # "process": under torchrun --nproc_per_node=2, rank 1 runs the engine on its own device
+    # and the refit goes over torch.distributed (NCCL or gloo), self-checked the same way.
     # off_policy: 1 samples step s+1's rollouts while step s trains (one step of policy lag).
     engine_device: str = "same"
     off_policy: int = 0
@@ -128,8 +131,8 @@ class RLConfig:
             raise ValueError(f"off_policy must be 0 (on-policy) or 1 (rollouts sampled one step "
                              f"ahead, while the trainer trains), got {self.off_policy!r}")
         if not isinstance(self.engine_device, str):
-            raise ValueError(f"engine_device must be 'same' or a device name (cpu, cuda:1), got "
-                             f"{self.engine_device!r}")
+            raise ValueError(f"engine_device must be 'same', '{ENGINE_PROCESS}' or a device name "
+                             f"(cpu, cuda:1), got {self.engine_device!r}")
         for name, minimum in (("sft_steps", 0), ("sft_batch_size", 1), ("steps", 1),
                               ("prompts_per_step", 1), ("group_size", 2),
                               ("micro_batch_size", 1), ("max_new_tokens", 1),

@@ -33,7 +33,7 @@ from ..convert import quantize_model
 from ..nn.moe import Router, record_routing
 from ..nn.recipe import recipe as get_recipe
 from . import policy as lm
-from .sync import export_weights, load_weights
+from .sync import RefitPlan, WeightUpdate, export_update, load_weights, refit_plan
 
 PRECISIONS = {"bf16": None, "fp8": "w8a8", "nvfp4": "w4a4", "quads": "w4a4-rc",
               "w4a16": "w4a4@weights", "nvfp4-token": "w4a4-token",
@@ -189,6 +189,7 @@ class RolloutEngine:
             summary = quantize_model(self.model, self.recipe)
             self.amax_groups = summary.shared_amax
         self.syncs = 0
+        self._plan: RefitPlan | None = None
 
     @property
     def device(self) -> torch.device:
@@ -213,10 +214,22 @@ class RolloutEngine:
         return calibrate(self.model, batches, forward=lambda m, t: lm.forward_logits(
             m, t, torch.ones_like(t, dtype=torch.bool)))
 
+    def refit_plan(self) -> RefitPlan:
+        """What a refit of this engine sends (read from its model once, at the first refit)."""
+        if self._plan is None:
+            self._plan = refit_plan(self.model, self.amax_groups)
+        return self._plan
+
     @on_own_device
     def sync(self, trainer: nn.Module) -> int:
         """Refit from `trainer` and self-check; returns the number of tensors verified."""
-        checked = load_weights(self.model, export_weights(trainer, self.model, self.amax_groups))
+        return self.load(export_update(trainer, self.refit_plan()))
+
+    @on_own_device
+    def load(self, update: WeightUpdate) -> int:
+        """Load a refit made by `export_update` with this engine's plan (in this process or
+        another) and self-check it; returns the number of tensors verified."""
+        checked = load_weights(self.model, update)
         for module in self.model.modules():  # e.g. a cached FP8 weight a captured graph reads
             refresh = getattr(module, "refresh_inference_cache", None)
             if refresh is not None:

@@ -103,13 +103,6 @@ def _trainer_weight(trainer: nn.Module, name: str) -> Tensor:
                           "trainer and engine built from the same model?")
 
 
-def _group_amax(trainer: nn.Module, prefix: str, groups: dict[str, list[str]]) -> Tensor | None:
-    members = groups.get(prefix)
-    if members is None:
-        return None
-    return shared_amax(_trainer_weight(trainer, m + ".weight") for m in members)
-
-
 def _pack_slot(trainer: nn.Module, p: str, slot: PackedSlot,
                amax: Tensor | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     # The engine buffers of `slot` holding the trainer's master weight quantized, and per entry
@@ -131,44 +124,80 @@ def _pack_slot(trainer: nn.Module, p: str, slot: PackedSlot,
     return {p + k: v for k, v in state.items()}, sums
 
 
-@torch.no_grad()
-def export_weights(trainer: nn.Module, engine: nn.Module,
-                   amax_groups: list[list[str]] = ()) -> WeightUpdate:
-    """The update that makes `engine` (a converted copy of the policy) hold `trainer`'s weights.
+@dataclass(frozen=True)
+class PackedModule:
+    """An engine module holding packed NVFP4 tensors: its name prefix ("layers.0.mlp."), its
+    slots, the fused group whose weights share one amax (their names, or None), and whether it
+    is a QuantLinear whose `weight_amax` follows its packed weight."""
 
-    Packed engine tensors (`PackedState`) get NVFP4 data, scales and amax quantized here from the
-    trainer's master weight (fused groups in `amax_groups` share one amax); every other engine
-    tensor is copied.
-    """
-    groups = {name: members for members in amax_groups for name in members}
-    update = WeightUpdate()
-    sums: dict[str, Tensor] = {}
-    packed = set()
+    prefix: str
+    slots: tuple[PackedSlot, ...]
+    amax_group: tuple[str, ...] | None
+    sets_weight_amax: bool
+
+
+@dataclass(frozen=True)
+class RefitPlan:
+    """What a refit sends, read once from the engine: its packed modules, and every other
+    tensor (name, dtype) copied from the trainer. Picklable: an engine in another process
+    sends its plan to the trainer once (fp4stack.rl.remote)."""
+
+    packed: tuple[PackedModule, ...]
+    copied: tuple[tuple[str, torch.dtype], ...]
+
+
+# Calibrated by the engine itself, never sent: activation amaxes, compensation channels (an
+# expert stack's rc_channels_<proj> too).
+_ENGINE_ONLY = ("x_amax", "rc_channels")
+
+
+def refit_plan(engine: nn.Module, amax_groups: list[list[str]] = ()) -> RefitPlan:
+    """The plan of `engine`'s refits (fused groups in `amax_groups` share one amax)."""
+    groups = {name: tuple(members) for members in amax_groups for name in members}
+    packed, names = [], set()
     for prefix, module in engine.named_modules():
         slots = module.packed_slots() if isinstance(module, PackedState) else {}
         if not slots:
             continue
         p = f"{prefix}." if prefix else ""
-        amax = _group_amax(trainer, prefix, groups)
-        for slot in slots.values():
-            state, slot_sums = _pack_slot(trainer, p, slot, amax)
-            if isinstance(module, QuantLinear) and module.weight_amax is not None:
-                # The amax a packed layer imposes is its packed weight's.
-                state[p + "weight_amax"] = state[p + slot.keys[2]]
+        sets = isinstance(module, QuantLinear) and module.weight_amax is not None
+        packed.append(PackedModule(p, tuple(slots.values()), groups.get(prefix), sets))
+        names.update(p + key for slot in slots.values() for key in slot.keys)
+        if sets:
+            names.add(p + "weight_amax")
+    copied = tuple((name, t.dtype) for name, t in engine.state_dict().items()
+                   if name not in names and not name.rpartition(".")[2].startswith(_ENGINE_ONLY))
+    return RefitPlan(tuple(packed), copied)
+
+
+@torch.no_grad()
+def export_update(trainer: nn.Module, plan: RefitPlan) -> WeightUpdate:
+    """The update, made from `trainer`'s weights, that `plan`'s engine loads: packed tensors
+    quantized here from the trainer's master weights, every other tensor copied."""
+    update = WeightUpdate()
+    sums: dict[str, Tensor] = {}
+    for module in plan.packed:
+        amax = (None if module.amax_group is None else
+                shared_amax(_trainer_weight(trainer, m + ".weight") for m in module.amax_group))
+        for slot in module.slots:
+            state, slot_sums = _pack_slot(trainer, module.prefix, slot, amax)
+            if module.sets_weight_amax:  # the amax a packed layer imposes is its packed weight's
+                state[module.prefix + "weight_amax"] = state[module.prefix + slot.keys[2]]
             update.tensors.update(state)
             sums.update(slot_sums)
-            packed.update(state)
-    # Calibrated by the engine itself: activation amaxes, compensation channels (an expert
-    # stack's rc_channels_<proj> too).
-    engine_only = ("x_amax", "rc_channels")
-    for name, current in engine.state_dict().items():
-        if name in packed or name.rpartition(".")[2].startswith(engine_only):
-            continue
-        t = _trainer_weight(trainer, name).to(current.dtype)  # e.g. a BF16 engine
+    for name, dtype in plan.copied:
+        t = _trainer_weight(trainer, name).to(dtype)  # e.g. a BF16 engine
         update.tensors[name] = t
         sums[name] = _checksum(t)
     update.checksums = _to_ints(sums)
     return update
+
+
+def export_weights(trainer: nn.Module, engine: nn.Module,
+                   amax_groups: list[list[str]] = ()) -> WeightUpdate:
+    """The update that makes `engine` (a converted copy of the policy) hold `trainer`'s weights:
+    `export_update` with the engine's `refit_plan`."""
+    return export_update(trainer, refit_plan(engine, amax_groups))
 
 
 @torch.no_grad()

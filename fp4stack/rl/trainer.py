@@ -25,11 +25,12 @@ from ..convert import quantize_model
 from ..data.tasks import Example, Task, load_task, pass_at_k
 from ..device import resolve_device
 from ..files import make_output_dir
+from ..train import distributed
 from ..train.determinism import deterministic_algorithms
 from ..train.metrics import MetricsLogger
 from ..train.run import compile_for_training
 from . import policy as lm
-from .config import RLConfig
+from .config import ENGINE_PROCESS, RLConfig
 from .fast_rollout import FastRolloutEngine, build_engine
 from .grpo_loss import group_advantages
 from .metrics import MismatchAlarm, activation_errors, mismatch_metrics
@@ -40,6 +41,7 @@ from .policies import (
     sft_warmup,
     weights_digest,
 )
+from .remote import ENGINE_RANK, TRAINER_RANK, RemoteEngine, serve
 from .rollout import Rollout, RolloutEngine
 from .schedule import RolloutSource
 from .update import train_step
@@ -158,30 +160,39 @@ class RunParts:
     task: Task
     model: nn.Module
     tokenizer: lm.TokenizerLike
-    engine: RolloutEngine
-    engine_device: torch.device
+    engine: RolloutEngine | RemoteEngine
+    engine_device: torch.device | str
     opt: torch.optim.Optimizer
     ref: nn.Module | None
     step_model: nn.Module | None = None  # what the update's forwards call: model, or compiled
 
 
+def make_engine(cfg: RLConfig, base: nn.Module, tokenizer: lm.TokenizerLike,
+                device: torch.device) -> RolloutEngine:
+    """cfg's rollout engine on `device` (BF16 on CUDA), built from the unconverted `base`."""
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    return build_engine(cfg.engine, base, tokenizer, cfg.rollout, record=cfg.routing_replay,
+                        temperature=cfg.temperature, top_p=cfg.top_p,
+                        max_new_tokens=cfg.max_new_tokens, logprobs=cfg.logprobs,
+                        compensation=cfg.compensation, compensation_mode=cfg.compensation_mode,
+                        dtype=dtype, device=device)
+
+
 def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=print
               ) -> RunParts:
-    """cfg's task, SFT-warmed policy (cached in cache_dir), rollout engine (BF16 on CUDA),
-    trainer recipe, AdamW and KL reference, as `run_rl` starts from; the engine not yet
-    refitted (`start_engine`)."""
+    """cfg's task, SFT-warmed policy (cached in cache_dir), rollout engine (BF16 on CUDA; with
+    engine_device "process" the handle on the engine process), trainer recipe, AdamW and KL
+    reference, as `run_rl` starts from; the engine not yet refitted (`start_engine`)."""
     torch.manual_seed(cfg.seed)
     task = load_task(cfg.task, **cfg.task_options)
     base, tokenizer = prepare_policy(cfg, task, device, cache_dir, log)
-    engine_device = (device if cfg.engine_device == "same"
-                     else resolve_device(cfg.engine_device))
-    dtype = torch.bfloat16 if engine_device.type == "cuda" else None
-    engine = build_engine(cfg.engine, base, tokenizer, cfg.rollout, record=cfg.routing_replay,
-                          temperature=cfg.temperature, top_p=cfg.top_p,
-                          max_new_tokens=cfg.max_new_tokens, logprobs=cfg.logprobs,
-                          compensation=cfg.compensation,
-                          compensation_mode=cfg.compensation_mode, dtype=dtype,
-                          device=engine_device)
+    if cfg.engine_device == ENGINE_PROCESS:
+        engine = RemoteEngine(tokenizer, device, temperature=cfg.temperature)
+        engine_device = engine.device
+    else:
+        engine_device = (device if cfg.engine_device == "same"
+                         else resolve_device(cfg.engine_device))
+        engine = make_engine(cfg, base, tokenizer, engine_device)
     ref = None
     if cfg.kl_coef > 0:
         import copy
@@ -193,6 +204,20 @@ def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=p
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return RunParts(task, model, tokenizer, engine, engine_device, opt, ref,
                     compile_for_training(model, cfg.compile))
+
+
+def serve_engine(cfg: RLConfig, device: torch.device, log=print) -> int:
+    """The engine process of `engine_device: process` (rank 1): builds the policy's architecture
+    (its weights come with the first refit), cfg's engine on `device`, and serves the trainer
+    until it stops; returns the requests served."""
+    torch.manual_seed(cfg.seed)
+    base, tokenizer = build_policy(cfg.policy, cfg.upcycle, cfg.seed, 64 + cfg.max_new_tokens)
+    engine = make_engine(cfg, base.to(device).eval(), tokenizer, device)
+    del base
+    kind = "fast" if isinstance(engine, FastRolloutEngine) else "reference"
+    log(f"rl engine: {kind} {cfg.rollout} on {device}, serving the trainer (rank {TRAINER_RANK})")
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    return serve(engine, generator, kind)
 
 
 def start_engine(cfg: RLConfig, parts: RunParts, log=print) -> None:
@@ -239,25 +264,50 @@ def rollout_rewards(task: Task, tokenizer: lm.TokenizerLike, rollout: Rollout,
                         device=rollout.tokens.device)
 
 
-def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Run GRPO as `cfg` says; returns the summary written to DIR/result.json."""
-    device = resolve_device(cfg.device)
+def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None
+           ) -> dict[str, Any] | None:
+    """Run GRPO as `cfg` says; returns the summary written to DIR/result.json.
+
+    With engine_device "process", under `torchrun --nproc_per_node=2`, rank 0 trains and rank 1
+    runs the rollout engine (`serve_engine`), each on its own device; rank 1 returns None."""
+    if cfg.engine_device != ENGINE_PROCESS:
+        return _run_rl(cfg, resolve_device(cfg.device), log, cache_dir)
+    env = distributed.setup(cfg.device)
+    try:
+        if env.world_size != 2:
+            raise ValueError(
+                "engine_device: process runs the trainer and the rollout engine as the two "
+                "processes of `torchrun --nproc_per_node=2 -m fp4stack.cli rl ...`; this run "
+                f"has {env.world_size} process(es). For one process use engine_device: same "
+                "(or a device name, e.g. cuda:1)")
+        if env.rank == ENGINE_RANK:
+            serve_engine(cfg, env.device, log)
+            return None
+        return _run_rl(cfg, env.device, log, cache_dir)
+    finally:
+        distributed.teardown(env)
+
+
+def _run_rl(cfg: RLConfig, device: torch.device, log, cache_dir) -> dict[str, Any]:
     out = cfg.out_dir
     make_output_dir(out)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     parts = build_run(cfg, device, Path(cache_dir) if cache_dir else out, log)
     task, tokenizer, model, engine = parts.task, parts.tokenizer, parts.model, parts.engine
     engine_device, opt, ref = parts.engine_device, parts.opt, parts.ref
+    remote = isinstance(engine, RemoteEngine)
     alarm = (MismatchAlarm("k3", cfg.alarm_k3, cfg.alarm) if cfg.alarm != "off" else None)
     logger = MetricsLogger(out, enabled=True, tensorboard=True)
     test = task.test_set()[:cfg.eval_size]
     stream = task.train_examples(cfg.seed)
-    generator = torch.Generator(device=engine_device).manual_seed(cfg.seed)
+    # The engine's sampling stream (an engine process draws from its own, seeded alike)
+    generator = torch.Generator(device=device if remote else engine_device).manual_seed(cfg.seed)
     source = RolloutSource(
         engine, lambda: draw_group(stream, cfg),
         lambda e: encode_example(tokenizer, e.prompt)[0], generator, device,
         record=cfg.routing_replay, off_policy=cfg.off_policy)
-    kind = "fast" if isinstance(engine, FastRolloutEngine) else "reference"
+    kind = (f"{engine.kind}, own process" if remote
+            else "fast" if isinstance(engine, FastRolloutEngine) else "reference")
     log(f"rl: task {cfg.task}, rollout {cfg.rollout} (engine {kind} on {engine_device}"
         f"{', one step ahead' if cfg.off_policy else ''}), trainer {cfg.trainer} on {device}, "
         f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "
@@ -331,6 +381,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None)
     finally:
         source.close()
         logger.close()
+        if remote:
+            engine.close()
     k3 = [r["k3"] for r in history]
     result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "trainer_dtype": cfg.trainer_dtype,
               "correction": cfg.correction,

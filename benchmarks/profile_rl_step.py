@@ -31,7 +31,8 @@ from fp4stack.rl.config import load_rl_config
 from fp4stack.rl.grpo_loss import group_advantages
 from fp4stack.rl.metrics import mismatch_metrics
 from fp4stack.rl.policies import encode_example
-from fp4stack.rl.trainer import build_run, draw_group, rollout_rewards, start_engine
+from fp4stack.rl.start import build_run, start_engine
+from fp4stack.rl.trainer import draw_group, rollout_rewards
 from fp4stack.rl.update import train_step
 
 PHASES = ("generate", "score", "train", "metrics", "refit")

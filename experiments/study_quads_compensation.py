@@ -25,7 +25,7 @@ from fp4stack.rl.config import load_rl_config
 from fp4stack.rl.metrics import mismatch_metrics
 from fp4stack.rl.policies import encode_example
 from fp4stack.rl.rollout import RolloutEngine
-from fp4stack.rl.trainer import prepare_policy
+from fp4stack.rl.start import prepare_policy
 
 
 def main() -> None:

@@ -31,7 +31,8 @@ from fp4stack.rl.compare import parse_run
 from fp4stack.rl.config import load_rl_config
 from fp4stack.rl.fast_rollout import build_engine
 from fp4stack.rl.policies import encode_example, left_padded
-from fp4stack.rl.trainer import evaluate, prepare_policy
+from fp4stack.rl.start import prepare_policy
+from fp4stack.rl.trainer import evaluate
 
 
 def sampled_stats(engine, task, examples, group: int, seed: int) -> dict[str, float]:

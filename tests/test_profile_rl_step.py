@@ -7,7 +7,7 @@ import torch
 from scripts import load_script
 
 from fp4stack.rl.config import RLConfig
-from fp4stack.rl.trainer import build_run, start_engine
+from fp4stack.rl.start import build_run, start_engine
 
 prof = load_script("benchmarks/profile_rl_step.py")
 

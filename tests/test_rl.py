@@ -16,8 +16,9 @@ from fp4stack.rl import policy as lm
 from fp4stack.rl.compare import run_rl_comparison
 from fp4stack.rl.config import RLConfig, load_rl_config
 from fp4stack.rl.rollout import RolloutEngine, sample_next
+from fp4stack.rl.start import SFT_FILE, prepare_policy
 from fp4stack.rl.sync import WeightSyncError, checksum, export_weights, load_weights
-from fp4stack.rl.trainer import SFT_FILE, prepare_policy, run_rl
+from fp4stack.rl.trainer import run_rl
 from fp4stack.train.metrics import read_metrics
 
 TOK = CharTokenizer()
@@ -271,17 +272,17 @@ def test_the_sft_warm_up_is_reused_only_for_the_inputs_that_made_it(tmp_path):
 
 def test_the_sft_warm_up_runs_deterministic_algorithms_and_restores_the_mode(tmp_path,
                                                                             monkeypatch):
-    import fp4stack.rl.trainer as trainer
+    import fp4stack.rl.start as start
 
     seen = []
-    real = trainer.sft_warmup
+    real = start.sft_warmup
 
     def recording(*args, **kwargs):
         seen.append((torch.are_deterministic_algorithms_enabled(),
                      torch.is_deterministic_algorithms_warn_only_enabled()))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "sft_warmup", recording)
+    monkeypatch.setattr(start, "sft_warmup", recording)
     cfg = tiny_config(tmp_path, sft_steps=1)
     before = torch.are_deterministic_algorithms_enabled()
     prepare_policy(cfg, load_task(cfg.task, **cfg.task_options), torch.device("cpu"), None,
@@ -469,7 +470,7 @@ def test_a_qat_w_update_quantizes_each_dense_weight_once_for_all_micro_batches(t
                                                                               monkeypatch):
     from fp4stack.nn import operands
     from fp4stack.nn.linear import QuantLinear
-    from fp4stack.rl.trainer import build_run, start_engine
+    from fp4stack.rl.start import build_run, start_engine
     from fp4stack.rl.update import train_step
 
     cfg = tiny_config(tmp_path, sft_steps=2, micro_batch_size=3, prompts_per_step=4,
@@ -489,7 +490,7 @@ def test_a_qat_w_update_quantizes_each_dense_weight_once_for_all_micro_batches(t
 
 
 def _one_step_parts(tmp_path, **overrides):
-    from fp4stack.rl.trainer import build_run, start_engine
+    from fp4stack.rl.start import build_run, start_engine
 
     cfg = tiny_config(tmp_path, sft_steps=2, prompts_per_step=4, group_size=2,
                       rollout="bf16", trainer="bf16", **overrides)

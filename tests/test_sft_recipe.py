@@ -14,7 +14,7 @@ from fp4stack.rl import policy as lm
 from fp4stack.rl.config import RLConfig
 from fp4stack.rl.policies import build_policy, encode_example, sft_warmup
 from fp4stack.rl.rollout import RolloutEngine
-from fp4stack.rl.trainer import prepare_policy
+from fp4stack.rl.start import prepare_policy
 
 CPU = torch.device("cpu")
 
@@ -94,7 +94,7 @@ def test_a_quantization_aware_start_fits_its_quantized_rollout_better():
 
 
 def test_a_far_start_names_the_quantization_aware_warm_up():
-    from fp4stack.rl.trainer import start_hint
+    from fp4stack.rl.start import start_hint
 
     cfg = tiny(rollout="nvfp4", trainer="bf16")
     hint = start_hint(cfg, {"k3": 430.0, "logp_diff_mean": 1.48})
@@ -106,11 +106,12 @@ def test_a_far_start_names_the_quantization_aware_warm_up():
 
 
 def test_the_run_logs_the_hint_after_its_first_step(tmp_path, monkeypatch):
-    import fp4stack.rl.trainer as trainer
+    import fp4stack.rl.start as start
+    from fp4stack.rl.trainer import run_rl
 
-    monkeypatch.setattr(trainer, "START_K3_HINT", -1.0)  # every first step counts as far here
+    monkeypatch.setattr(start, "START_K3_HINT", -1.0)  # every first step counts as far here
     said = []
-    trainer.run_rl(tiny(rollout="nvfp4", trainer="bf16", sft_steps=2, steps=2, eval_every=0,
+    run_rl(tiny(rollout="nvfp4", trainer="bf16", sft_steps=2, steps=2, eval_every=0,
                         prompts_per_step=2, group_size=2, out=str(tmp_path / "{rollout}")),
                    log=said.append)
     hints = [s for s in said if s.startswith("rl: the nvfp4 engine's policy is far")]

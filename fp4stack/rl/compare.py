@@ -28,7 +28,8 @@ from typing import Any
 from ..parallel_runs import LOG_NAME, Job, run_jobs
 from .compare_report import write_report
 from .config import RUN_FIELDS, RLConfig, default_trainer
-from .trainer import run_rl, warm_up_policy
+from .start import warm_up_policy
+from .trainer import run_rl
 
 DEFAULT_RUNS = ("bf16", "fp8", "nvfp4", "nvfp4+tis", "quads")
 _RUN = re.compile(r"(?P<rollout>[a-z0-9-]+)(@(?P<fraction>[0-9.]+))?(:(?P<mode>static|dynamic))?"
@@ -75,7 +76,7 @@ _BOOLS = {"true": True, "false": False}
 def parse_sweep(text: str, cfg: RLConfig) -> tuple[str, list[tuple[str, Any]]]:
     """`FIELD=V1,V2,...` -> (field, [(as typed, value), ...]): one scalar RLConfig field, each
     value converted to the type of cfg's; ValueError naming what is wrong."""
-    from .trainer import SFT_KEYS
+    from .start import SFT_KEYS
 
     field_name, sep, values = text.partition("=")
     field_name = field_name.strip()

@@ -23,7 +23,8 @@ from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.linear import QuantLinear
 from fp4stack.train import distributed
 
-RECIPES = ("nvfp4", "nvfp4-nvidia", "nvfp4-4over6", "lowrank-svd-4over6", "fullstack-paper")
+RECIPES = ("nvfp4", "nvfp4-nvidia", "nvfp4-4over6", "lowrank-svd-4over6", "fullstack-paper",
+           "qat-w")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

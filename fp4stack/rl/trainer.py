@@ -7,6 +7,7 @@ DIR/metrics.jsonl gets one record per step; DIR/result.json the summary.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -93,6 +94,9 @@ def rollout_rewards(task: Task, tokenizer: lm.TokenizerLike, rollout: Rollout,
                         device=rollout.tokens.device)
 
 
+ENGINE_WAIT = datetime.timedelta(hours=1)  # the longest an engine process waits for a message
+
+
 def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None
            ) -> dict[str, Any] | None:
     """Run GRPO as `cfg` says; returns the summary written to DIR/result.json.
@@ -101,7 +105,8 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None
     runs the rollout engine (`serve_engine`), each on its own device; rank 1 returns None."""
     if cfg.engine_device != ENGINE_PROCESS:
         return _run_rl(cfg, resolve_device(cfg.device), log, cache_dir)
-    env = distributed.setup(cfg.device)
+    # The engine process waits for the trainer's first message through the SFT warm-up
+    env = distributed.setup(cfg.device, timeout=ENGINE_WAIT)
     try:
         if env.world_size != 2:
             raise ValueError(

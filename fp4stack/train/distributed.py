@@ -7,6 +7,7 @@ torch.distributed, so the plain path has no distributed code in it at all.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -34,8 +35,9 @@ class DistEnv:
         return self.world_size > 1
 
 
-def setup(device_name: str) -> DistEnv:
-    """Join the torchrun process group if there is one (or reuse an initialised one)."""
+def setup(device_name: str, timeout: datetime.timedelta | None = None) -> DistEnv:
+    """Join the torchrun process group if there is one (or reuse an initialised one); `timeout`
+    bounds how long a collective may wait (None: torch's default)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
@@ -48,7 +50,8 @@ def setup(device_name: str) -> DistEnv:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                **({} if timeout is None else {"timeout": timeout}))
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
 
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp4stack.convert import quantize_model
 from fp4stack.data.char_tokenizer import CharTokenizer
@@ -218,3 +220,27 @@ def test_a_two_process_run_is_the_one_process_run(tmp_path):
     assert len(one) == 4 and one[-1]["synced_tensors"] > 0
     result = json.loads((tmp_path / "two" / "result.json").read_text())
     assert "rank 1" in result["engine_device"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from(
+    [torch.uint8, torch.bool, torch.bfloat16, torch.float32, torch.int64])), max_size=12),
+       st.integers(16, 1024))
+def test_the_layout_packs_every_tensor_once_aligned_within_its_bucket(sizes, bucket):
+    tensors = {f"t{i}": torch.empty(n, dtype=dtype) for i, (n, dtype) in enumerate(sizes)}
+    old, remote.BUCKET_BYTES = remote.BUCKET_BYTES, bucket
+    try:
+        layout = remote._layout(tensors)
+    finally:
+        remote.BUCKET_BYTES = old
+    assert [e[0] for entries, _ in layout for e in entries] == list(tensors)  # once, in order
+    for entries, size in layout:
+        end = 0
+        for name, dtype, shape, offset in entries:
+            t = tensors[name]
+            assert (dtype, shape) == (t.dtype, tuple(t.shape))
+            assert offset % 16 == 0 and offset >= end  # aligned, no overlap
+            end = offset + t.numel() * t.element_size()
+        assert end <= size and size % 16 == 0
+        # a bucket over the limit holds one tensor that is larger than the limit on its own
+        assert size <= bucket or len(entries) == 1

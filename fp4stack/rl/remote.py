@@ -39,12 +39,12 @@ def _layout(tensors: dict[str, Tensor]) -> list[tuple[list[tuple], int]]:
     # Buckets of (name, dtype, shape, byte offset) and each bucket's size in bytes.
     buckets, entries, size = [], [], 0
     for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if entries and size + nbytes > BUCKET_BYTES:
+        padded = -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        if entries and size + padded > BUCKET_BYTES:
             buckets.append((entries, size))
             entries, size = [], 0
         entries.append((name, t.dtype, tuple(t.shape), size))
-        size += -(-nbytes // _ALIGN) * _ALIGN
+        size += padded
     if entries:
         buckets.append((entries, size))
     return buckets

@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fp4stack
 from fp4stack.convert import quantize_model
@@ -607,3 +609,16 @@ def test_a_bf16_engine_keeps_its_routers_float32_and_refits_them():
             p.add_(1e-3)  # below bfloat16's resolution at these magnitudes
     engine.sync(policy)
     assert all(torch.equal(a, b) for a, b in zip(gates(engine.model), gates(policy), strict=True))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 400), st.lists(st.integers(0, 400), max_size=5), st.integers(0, 2**31))
+def test_shard_checksums_add_up_to_the_whole_tensors(n, cuts, seed):
+    # A tensor's contiguous shards, each checked with its offset, sum (wrapping in int64, as an
+    # all-reduce of int64 sums does) to the whole tensor's checksum.
+    t = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    bounds = sorted({0, n, *(c % (n + 1) for c in cuts)})
+    total = sum(checksum(t[a:b], offset=a) for a, b in zip(bounds, bounds[1:], strict=False))
+    assert (total + (1 << 63)) % (1 << 64) - (1 << 63) == checksum(t)
+    if n > 1:  # an offset is a position: the same values elsewhere hash otherwise
+        assert checksum(t[1:], offset=1) != checksum(t[1:])

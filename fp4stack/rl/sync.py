@@ -31,8 +31,8 @@ class WeightSyncError(RuntimeError):
 _CACHED_WEIGHTS = 1 << 24  # position weights of tensors up to this size are kept (128 MiB)
 
 
-def _position_weights(numel: int, device: torch.device) -> Tensor:
-    idx = torch.arange(numel, device=device, dtype=torch.int64)
+def _position_weights(numel: int, device: torch.device, offset: int = 0) -> Tensor:
+    idx = torch.arange(offset, offset + numel, device=device, dtype=torch.int64)
     return (idx * _MIX) % (1 << 32) | 1
 
 
@@ -71,10 +71,20 @@ def _stack_checksums(data: Tensor, scales: Tensor, amax: Tensor, slot: PackedSlo
     return dict(zip(slot.entries(), sums.unbind(0), strict=True))
 
 
-def checksum(t: Tensor) -> int:
+def checksum(t: Tensor, offset: int = 0) -> int:
     """A position-sensitive hash of t's values as float32 bit patterns (equal iff bit-identical,
-    up to hash collisions): sum_i bits_i * (i * MIX mod 2^32 | 1), wrapping in int64."""
-    return int(_checksum(t).item())
+    up to hash collisions): sum_i bits_i * ((offset + i) * MIX mod 2^32 | 1), wrapping in int64.
+
+    With `offset`, t is the part of a larger tensor that starts at that (flat) element: the
+    checksums of a tensor's contiguous shards, each with its own offset, add up (wrapping in
+    int64) to the whole tensor's, so shards held by several ranks are checked with one
+    all-reduce of their sums."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if offset == 0:
+        return int(_checksum(t).item())
+    bits = t.detach().float().contiguous().view(-1).view(torch.int32).long()
+    return int((bits * _position_weights(bits.numel(), bits.device, offset)).sum().item())
 
 
 def _to_ints(sums: dict[str, Tensor]) -> dict[str, int]:

@@ -8,6 +8,10 @@ RL comparison of rollout precisions to start from its BF16 weights (docs/results
     FP4STACK_SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf \\
         python experiments/study_quant_fidelity.py \\
         --precisions bf16,fp8,w4a16,nvfp4,nvfp4-token,quads --upcycle 0,8
+
+The built-in texts give about 60 scored tokens: enough to see NVFP4 break a model, not to rank
+two close precisions. `--text-file F --chunks K --chunk-tokens N` scores K windows of N tokens
+of F's text instead.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ def padded_batch(token_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, to
     """The texts left-padded into one batch, as the rollout engine lays rows out."""
     tokens, mask, _ = left_padded([(t, []) for t in token_ids], pad)
     return tokens, mask
+
+
+def file_chunks(encode, path: str, chunks: int, chunk_tokens: int) -> list[list[int]]:
+    """`chunks` consecutive windows of `chunk_tokens` token ids of the text in `path` (its
+    whitespace collapsed); ValueError when the text is too short for them."""
+    with open(path, encoding="utf-8") as f:
+        ids = encode(" ".join(f.read().split()))
+    if len(ids) < chunks * chunk_tokens:
+        raise ValueError(f"{path}: {len(ids)} tokens, fewer than --chunks x --chunk-tokens = "
+                         f"{chunks * chunk_tokens}")
+    return [ids[i * chunk_tokens:(i + 1) * chunk_tokens] for i in range(chunks)]
 
 
 @torch.no_grad()
@@ -62,12 +77,16 @@ def main() -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--engine", default="auto", choices=("auto", "fast", "reference"))
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument("--text-file", help="score windows of this text instead of the built-in texts")
+    p.add_argument("--chunks", type=int, default=8, help="windows of --text-file (default 8)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens a window (default 256)")
     args = p.parse_args()
     loaded = hf.load(args.model)
     device = resolve_device(args.device)
     dense = gpt_from_hf(loaded.model).eval().to(device)
-    tokens, mask = padded_batch([loaded.tokenizer.encode(t) for t in TEXTS],
-                                loaded.tokenizer.pad_token_id or 0)
+    texts = ([loaded.tokenizer.encode(t) for t in TEXTS] if args.text_file is None else
+             file_chunks(loaded.tokenizer.encode, args.text_file, args.chunks, args.chunk_tokens))
+    tokens, mask = padded_batch(texts, loaded.tokenizer.pad_token_id or 0)
     tokens, mask = tokens.to(device), mask.to(device)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     rows = []
@@ -76,7 +95,7 @@ def main() -> None:
                                                        seed=0).eval().to(device)
         for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype, args.engine):
             rows.append({"experts": experts, **r})
-    print(f"{loaded.description}; {len(TEXTS)} texts, {int(mask.sum()) - len(TEXTS)} scored "
+    print(f"{loaded.description}; {len(texts)} texts, {int(mask.sum()) - len(texts)} scored "
           f"tokens; engines in {args.dtype} on {device}")
     print("| model | rollout | NLL (nats/token) | mean abs dlogp | max abs dlogp |\n"
           "|---|---|---:|---:|---:|")
@@ -87,7 +106,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": loaded.description, "dtype": args.dtype, "device": str(device),
-                       "engine": args.engine, "rows": rows}, f, indent=1)
+                       "engine": args.engine, "text_file": args.text_file,
+                       "texts": len(texts), "scored_tokens": int(mask.sum()) - len(texts),
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,15 @@ def test_rows_per_precision():
     first = fidelity(model, [], tokens[:1], mask[:1], None)[0]["nll"]
     assert rows["float32"]["nll"] == pytest.approx((5 * first + 3 * alone) / 8, rel=1e-5)
     assert torch.equal(tokens[1, 2:], torch.tensor([7, 7, 8, 100]))
+
+
+def test_file_chunks_are_consecutive_windows(tmp_path):
+    from study_quant_fidelity import file_chunks
+
+    text = tmp_path / "t.txt"
+    text.write_text("one  two\nthree four five six seven")
+    encode = lambda s: s.split()  # noqa: E731  (one token a word)
+    assert file_chunks(encode, str(text), 3, 2) == [["one", "two"], ["three", "four"],
+                                                    ["five", "six"]]
+    with pytest.raises(ValueError, match="7 tokens, fewer than"):
+        file_chunks(encode, str(text), 4, 2)

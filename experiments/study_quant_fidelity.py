@@ -11,12 +11,14 @@ RL comparison of rollout precisions to start from its BF16 weights (docs/results
 
 The built-in texts give about 60 scored tokens: enough to see NVFP4 break a model, not to rank
 two close precisions. `--text-file F --chunks K --chunk-tokens N` scores K windows of N tokens
-of F's text instead.
+of F's text instead (static compensation channels come from the K windows after them), and
+`--trainer qat-w` scores against the QUADS trainer's function rather than the float32 model.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import torch
@@ -50,15 +52,34 @@ def file_chunks(encode, path: str, chunks: int, chunk_tokens: int) -> list[list[
 
 @torch.no_grad()
 def fidelity(model: torch.nn.Module, precisions: list[str], tokens: torch.Tensor,
-             mask: torch.Tensor, dtype: torch.dtype | None, engine: str = "auto") -> list[dict]:
-    """A row per precision: the engine's mean NLL and its |dlogp| against `model` (float32);
-    `engine` as RLConfig.engine (auto: the fast engine on CUDA, the reference one elsewhere)."""
+             mask: torch.Tensor, dtype: torch.dtype | None, engine: str = "auto",
+             trainer: str | None = None, calibration: list[list[int]] | None = None
+             ) -> list[dict]:
+    """A row per precision: the engine's mean NLL and its |dlogp| against `model` (float32), or
+    against `model` converted to the `trainer` recipe (qat-w: the QUADS trainer's function);
+    `engine` as RLConfig.engine (auto: the fast engine on CUDA, the reference one elsewhere).
+    A precision is a rollout name with an optional share and mode, as `rl-compare` names runs
+    (quads@0.5, quads@0.5:static); static channels are fixed from `calibration`."""
+    from fp4stack.convert import quantize_model
+    from fp4stack.rl.compare import parse_run
+
+    reference = model
+    if trainer is not None:
+        reference = copy.deepcopy(model)
+        quantize_model(reference, trainer)
     scored = torch.nn.functional.pad(mask[:, 1:] & mask[:, :-1], (1, 0))
-    want = lm.token_logprobs(model, tokens, mask)[scored]
-    rows = [{"precision": "float32", "nll": -want.mean().item()}]
+    want = lm.token_logprobs(reference, tokens, mask)[scored]
+    rows = [{"precision": trainer or "float32", "nll": -want.mean().item()}]
     for precision in precisions:
-        rollout = build_engine(engine, model, None, precision, dtype=dtype)
-        rollout.sync(model)
+        run = parse_run(precision)
+        rollout = build_engine(engine, model, None, run["rollout"], dtype=dtype,
+                               compensation=run.get("compensation"),
+                               compensation_mode=run.get("compensation_mode"))
+        rollout.sync(reference)
+        if run.get("compensation_mode") == "static":
+            if not calibration:
+                raise ValueError(f"{precision}: static channels need calibration sequences")
+            rollout.calibrate(calibration)
         got = lm.token_logprobs(rollout.model, tokens, mask)[scored]
         diff = (got - want).abs()
         rows.append({"precision": precision, "nll": -got.mean().item(),
@@ -80,12 +101,18 @@ def main() -> None:
     p.add_argument("--text-file", help="score windows of this text instead of the built-in texts")
     p.add_argument("--chunks", type=int, default=8, help="windows of --text-file (default 8)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens a window (default 256)")
+    p.add_argument("--trainer", help="score against the model converted to this recipe (qat-w: "
+                   "the QUADS trainer) instead of the float32 model")
     args = p.parse_args()
     loaded = hf.load(args.model)
     device = resolve_device(args.device)
     dense = gpt_from_hf(loaded.model).eval().to(device)
-    texts = ([loaded.tokenizer.encode(t) for t in TEXTS] if args.text_file is None else
-             file_chunks(loaded.tokenizer.encode, args.text_file, args.chunks, args.chunk_tokens))
+    if args.text_file is None:
+        texts, calibration = [loaded.tokenizer.encode(t) for t in TEXTS], None
+    else:  # static channels are fixed from the windows after the scored ones
+        windows = file_chunks(loaded.tokenizer.encode, args.text_file, 2 * args.chunks,
+                              args.chunk_tokens)
+        texts, calibration = windows[:args.chunks], windows[args.chunks:]
     tokens, mask = padded_batch(texts, loaded.tokenizer.pad_token_id or 0)
     tokens, mask = tokens.to(device), mask.to(device)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
@@ -93,7 +120,8 @@ def main() -> None:
     for experts in (int(e) for e in args.upcycle.split(",")):
         model = dense if experts == 0 else upcycle_gpt(dense, experts, 2, expert_noise=0.01,
                                                        seed=0).eval().to(device)
-        for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype, args.engine):
+        for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype, args.engine,
+                          args.trainer, calibration):
             rows.append({"experts": experts, **r})
     print(f"{loaded.description}; {len(texts)} texts, {int(mask.sum()) - len(texts)} scored "
           f"tokens; engines in {args.dtype} on {device}")
@@ -107,6 +135,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"model": loaded.description, "dtype": args.dtype, "device": str(device),
                        "engine": args.engine, "text_file": args.text_file,
+                       "trainer": args.trainer,
                        "texts": len(texts), "scored_tokens": int(mask.sum()) - len(texts),
                        "rows": rows}, f, indent=1)
 

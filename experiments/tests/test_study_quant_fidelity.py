@@ -35,3 +35,16 @@ def test_file_chunks_are_consecutive_windows(tmp_path):
                                                     ["five", "six"]]
     with pytest.raises(ValueError, match="7 tokens, fewer than"):
         file_chunks(encode, str(text), 4, 2)
+
+
+def test_quads_shares_and_static_channels_against_the_qat_w_trainer():
+    model = gpt_from_hf(hf.load("tiny-dense").model).eval()
+    tokens, mask = padded_batch([[1, 5, 9, 200, 17, 3], [7, 7, 8, 100]], pad=0)
+    rows = {r["precision"]: r for r in fidelity(
+        model, ["quads@1.0", "quads@0.25:static", "quads@0.25"], tokens, mask, None,
+        trainer="qat-w", calibration=[[4, 8, 15, 16, 23, 42]])}
+    assert rows["qat-w"]["nll"] != fidelity(model, [], tokens, mask, None)[0]["nll"]
+    assert rows["quads@1.0"]["dlogp_max"] < 1e-5  # every channel back: the trainer's function
+    assert rows["quads@0.25:static"]["dlogp_max"] > 0 and rows["quads@0.25"]["dlogp_max"] > 0
+    with pytest.raises(ValueError, match="calibration"):
+        fidelity(model, ["quads@0.25:static"], tokens, mask, None, trainer="qat-w")

@@ -58,12 +58,16 @@ def send(header: Any, dst: int, tensors: dict[str, Tensor] | None = None,
     layout = _layout(tensors)
     dist.send_object_list([(header, layout)], dst=dst)
     for entries, size in layout:
-        first = tensors[entries[0][0]]
-        buf = torch.empty(size, dtype=torch.uint8, device=device or first.device)
-        for name, _, _, offset in entries:
-            t = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[offset:offset + t.numel()].copy_(t)
-        dist.send(buf, dst=dst)
+        # One concatenation a bucket, not a copy a tensor (a refit sends thousands): each
+        # tensor's bytes, then the zeros that pad it to the next one's aligned offset.
+        target = device or tensors[entries[0][0]].device
+        zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=target)
+        ends = [e[3] for e in entries[1:]] + [size]
+        parts = []
+        for (name, _, _, offset), end in zip(entries, ends, strict=True):
+            t = tensors[name].detach().to(target).contiguous().reshape(-1).view(torch.uint8)
+            parts += [t, zeros[:end - offset - t.numel()]]
+        dist.send(torch.cat(parts), dst=dst)
 
 
 def recv(src: int, device: torch.device) -> tuple[Any, dict[str, Tensor]]:

@@ -108,6 +108,13 @@ class RunParts:
     step_model: nn.Module | None = None  # what the update's forwards call: model, or compiled
 
 
+def engine_kind(engine: RolloutEngine | RemoteEngine) -> str:
+    """"fast" or "reference"; an engine process's as it reported it."""
+    if isinstance(engine, RemoteEngine):
+        return engine.kind
+    return "fast" if isinstance(engine, FastRolloutEngine) else "reference"
+
+
 def make_engine(cfg: RLConfig, base: nn.Module, tokenizer: lm.TokenizerLike,
                 device: torch.device) -> RolloutEngine:
     """cfg's rollout engine on `device` (BF16 on CUDA), built from the unconverted `base`."""
@@ -155,7 +162,7 @@ def serve_engine(cfg: RLConfig, device: torch.device, log=print) -> int:
     base, tokenizer = build_policy(cfg.policy, cfg.upcycle, cfg.seed, 64 + cfg.max_new_tokens)
     engine = make_engine(cfg, base.to(device).eval(), tokenizer, device)
     del base
-    kind = "fast" if isinstance(engine, FastRolloutEngine) else "reference"
+    kind = engine_kind(engine)
     log(f"rl engine: {kind} {cfg.rollout} on {device}, serving the trainer (rank {TRAINER_RANK})")
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     return serve(engine, generator, kind)

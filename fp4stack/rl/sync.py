@@ -43,12 +43,17 @@ def _cached_position_weights(numel: int, device: torch.device) -> Tensor:
     return _position_weights(numel, device)
 
 
-def _checksum(t: Tensor) -> Tensor:
+def _weights(numel: int, device: torch.device, offset: int = 0) -> Tensor:
+    # The position weights of elements offset .. offset + numel - 1 (whole tensors' cached).
+    if offset == 0 and numel <= _CACHED_WEIGHTS:
+        return _cached_position_weights(numel, device)
+    return _position_weights(numel, device, offset)
+
+
+def _checksum(t: Tensor, offset: int = 0) -> Tensor:
     # A 0-d int64 tensor on t's device: no host sync per tensor (a refit checks hundreds).
     bits = t.detach().float().contiguous().view(-1).view(torch.int32).long()
-    weights = (_cached_position_weights if bits.numel() <= _CACHED_WEIGHTS
-               else _position_weights)(bits.numel(), bits.device)
-    return (bits * weights).sum()
+    return (bits * _weights(bits.numel(), bits.device, offset)).sum()
 
 
 def _stack_checksums(data: Tensor, scales: Tensor, amax: Tensor, slot: PackedSlot
@@ -65,9 +70,8 @@ def _stack_checksums(data: Tensor, scales: Tensor, amax: Tensor, slot: PackedSlo
                        amax.reshape(e, 1).expand(e, m).reshape(e * m, 1), (e * m, k),
                        replace(slot.spec, global_scale="row"))
     bits = dequantize(rows, torch.float32).reshape(e, m * k).view(torch.int32).long()
-    weights = (_cached_position_weights if m * k <= _CACHED_WEIGHTS
-               else _position_weights)(m * k, bits.device)
-    sums = (bits * weights).sum(dim=1)  # integer sums: the order does not change them
+    # integer sums: the order does not change them
+    sums = (bits * _weights(m * k, bits.device)).sum(dim=1)
     return dict(zip(slot.entries(), sums.unbind(0), strict=True))
 
 
@@ -81,10 +85,7 @@ def checksum(t: Tensor, offset: int = 0) -> int:
     all-reduce of their sums."""
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    if offset == 0:
-        return int(_checksum(t).item())
-    bits = t.detach().float().contiguous().view(-1).view(torch.int32).long()
-    return int((bits * _position_weights(bits.numel(), bits.device, offset)).sum().item())
+    return int(_checksum(t, offset).item())
 
 
 def _to_ints(sums: dict[str, Tensor]) -> dict[str, int]:

@@ -27,14 +27,13 @@ from ..train import distributed
 from ..train.metrics import MetricsLogger
 from . import policy as lm
 from .config import ENGINE_PROCESS, RLConfig
-from .fast_rollout import FastRolloutEngine
 from .grpo_loss import group_advantages
 from .metrics import MismatchAlarm, activation_errors, mismatch_metrics
 from .policies import encode_example, weights_digest
 from .remote import ENGINE_RANK, RemoteEngine
 from .rollout import Rollout, RolloutEngine
 from .schedule import RolloutSource
-from .start import build_run, serve_engine, start_engine, start_hint
+from .start import build_run, engine_kind, serve_engine, start_engine, start_hint
 from .update import train_step
 
 
@@ -140,8 +139,7 @@ def _run_rl(cfg: RLConfig, device: torch.device, log, cache_dir) -> dict[str, An
         engine, lambda: draw_group(stream, cfg),
         lambda e: encode_example(tokenizer, e.prompt)[0], generator, device,
         record=cfg.routing_replay, off_policy=cfg.off_policy)
-    kind = (f"{engine.kind}, own process" if remote
-            else "fast" if isinstance(engine, FastRolloutEngine) else "reference")
+    kind = engine_kind(engine) + (", own process" if remote else "")
     log(f"rl: task {cfg.task}, rollout {cfg.rollout} (engine {kind} on {engine_device}"
         f"{', one step ahead' if cfg.off_policy else ''}), trainer {cfg.trainer} on {device}, "
         f"correction {cfg.correction}, {cfg.prompts_per_step} prompts x {cfg.group_size} "

@@ -13,6 +13,9 @@ to 1 (the blocks' errors interact).
     FP4STACK_SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf python experiments/study_w4_blocks.py \\
         --config experiments/configs/smollm2_dense_sft_probe.yaml \\
         --cache runs/rl/smollm2-dense-probe/sft --recipes qat-w,nvfp4 --json out.json
+
+`--whole-only` scores each recipe's fully quantized copy alone, to compare weight quantizers
+(e.g. `--recipes qat-w,qat-w-4over6`: Four Over Six block scales on the weights).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def completion_logprobs(model, batch) -> torch.Tensor:
 
 def variants(n_blocks: int, keeps: list[int]) -> list[tuple[str, tuple[str, ...], dict]]:
     """(name, extra skip patterns, recipe overrides) of every conversion scored: none kept,
-    each single block kept, the first k and the last k kept for k in `keeps`."""
+    each single block kept, the first k and the last k kept for k in `keeps` (n_blocks 0 and
+    no keeps: the whole model quantized only)."""
     out = [("all quantized", (), {})]
     out += [(f"block {i} kept", (f"layers.{i}.",), {}) for i in range(n_blocks)]
     out += [(f"first {k} kept", (), {"keep_first_blocks": k}) for k in keeps]
@@ -90,6 +94,8 @@ def main() -> None:
     p.add_argument("--recipes", default="qat-w", help="weight-quantizing recipes (comma-separated)")
     p.add_argument("--prompts", type=int, default=64, help="held-out examples scored")
     p.add_argument("--keeps", default="1,2,4", help="k of the first / last k blocks kept")
+    p.add_argument("--whole-only", action="store_true",
+                   help="score each recipe's fully quantized copy only (compare recipes)")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -106,7 +112,7 @@ def main() -> None:
     keeps = [int(k) for k in args.keeps.split(",")]
     rows = []
     for recipe in args.recipes.split(","):
-        rows += study(model, batch, recipe, n_blocks, keeps)
+        rows += study(model, batch, recipe, *((0, []) if args.whole_only else (n_blocks, keeps)))
     print(f"{args.prompts} held-out examples, {int(batch[2].sum())} completion tokens, "
           f"{n_blocks} blocks, float NLL {rows[0]['float_nll']:.4f}; "
           f"{time.perf_counter() - t0:.0f} s on {device}")

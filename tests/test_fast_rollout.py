@@ -346,10 +346,13 @@ gpu = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 
 @gpu
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4", "quads"])
-def test_graph_decoding_equals_the_reference_on_cuda(moe, precision):
+@pytest.mark.parametrize("precision,four_over_six", [
+    ("bf16", False), ("nvfp4", False), ("quads", False), ("nvfp4", True), ("quads", True),
+    ("w4a16", True)])
+def test_graph_decoding_equals_the_reference_on_cuda(moe, precision, four_over_six):
     base = policy(moe, device="cuda")
-    ref, fast = pair(base, precision, temperature=0.0, max_new_tokens=12)
+    ref, fast = pair(base, precision, temperature=0.0, max_new_tokens=12,
+                     four_over_six=four_over_six)
     # Greedy tokens equal; log-probs to 1e-5: the fast engine's fused q/k/v and gate/up GEMMs
     # may sum in another order than the reference's separate ones on CUDA (cuBLAS picks kernels
     # by shape; tests/test_fused_projections.py bounds the difference).

@@ -128,6 +128,18 @@ def scoped(r: Recipe, scope: str) -> Recipe:
                    weight_storage=r.weight_storage if w_kept else "master")
 
 
+def four_over_six(r: Recipe) -> Recipe:
+    """`r` with Four Over Six block scales on every NVFP4 operand of its linears (each block's
+    maximum mapped to 4 or to 6, whichever quantizes the block with the lower error); FP8 and
+    unquantized operands as they are. `r` itself when it has no NVFP4 operand."""
+    changes = {name: replace(spec, four_over_six=True) for name in LINEAR_OPERANDS
+               if (spec := getattr(r, name)) is not None and spec.format == "nvfp4"
+               and not spec.four_over_six}
+    if not changes:
+        return r
+    return r.with_(name=f"{r.name}+4over6", **changes)
+
+
 def preset_names() -> list[str]:
     """The presets' names (recipe files add more: `recipe_file_names()`)."""
     return list(PRESETS)
@@ -210,4 +222,4 @@ def _unknown(name: str) -> str:
 
 
 __all__ = ["LINEAR_OPERANDS", "PRESETS", "SCOPES", "LowRank", "Recipe", "ResidualCompensation",
-           "preset_names", "recipe", "recipe_file_names", "scoped"]
+           "four_over_six", "preset_names", "recipe", "recipe_file_names", "scoped"]

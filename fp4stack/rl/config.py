@@ -60,6 +60,11 @@ class RLConfig:
     # reference completion) the run never trains on, as the paper's fixed top-k%.
     compensation_mode: str = "dynamic"
     calibration_size: int = 64
+    # NVFP4 block scales by Four Over Six (each block's maximum mapped to 4 or to 6, whichever
+    # quantizes it with the lower error) in the rollout engine and the qat-w trainer alike: a
+    # lower weight error for a policy that plain NVFP4 weights would break (docs/results/rl.md).
+    # No effect on bf16 and fp8 rollouts or a bf16 trainer.
+    four_over_six: bool = False
     logprobs: str = "score"  # the engine's log-probs: "score" (one forward) or "sample"
     # engine: "fast" (static KV cache, CUDA-graph decoding, device sampling; fp4stack GPT
     # policies only: kind gpt or as_gpt), "reference" (RolloutEngine, eager) or "auto": fast on
@@ -150,6 +155,8 @@ class RLConfig:
                              f"{self.compensation!r}")
         if self.correction_cap <= 0:
             raise ValueError("correction_cap must be > 0")
+        if not isinstance(self.four_over_six, bool):
+            raise ValueError(f"four_over_six must be true or false, got {self.four_over_six!r}")
         check_compile(self.compile)
         check_policy(self.policy)
         if self.engine == "fast" and not is_gpt_policy(self.policy):

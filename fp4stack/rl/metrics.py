@@ -24,6 +24,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..nn.recipe_types import Recipe
+
 METRIC_KEYS = ("k1", "k2", "k3", "logp_diff_mean", "logp_diff_max", "prob_diff_mean",
                "prob_diff_max", "chi2_token", "chi2_seq", "ess", "seq_ratio_max",
                "seq_ratio_min", "geo_ratio_mean", "n_tokens")
@@ -163,8 +165,9 @@ class MismatchAlarm:
 ACTIVATION_ERROR_ROWS = 8  # rollout rows the per-layer error is measured on
 
 
-def activation_errors(model: torch.nn.Module, tokens: Tensor, mask: Tensor, recipe: str,
-                      compensation: float) -> tuple[dict[str, float], list[dict]]:
+def activation_errors(model: torch.nn.Module, tokens: Tensor, mask: Tensor,
+                      recipe: str | Recipe, compensation: float
+                      ) -> tuple[dict[str, float], list[dict]]:
     """The W4A4 error of each linear layer of `model` (its master weights) on the first
     ACTIVATION_ERROR_ROWS rows of a rollout batch (every position, pads included), by
     `analysis.attribution` with `recipe`'s x and w specs and `compensation` of the channels:

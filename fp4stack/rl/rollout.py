@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ..convert import quantize_model
 from ..nn.moe import Router, record_routing
+from ..nn.recipe import four_over_six as with_four_over_six
 from ..nn.recipe import recipe as get_recipe
 from . import policy as lm
 from .sync import RefitPlan, WeightUpdate, export_update, load_weights, refit_plan
@@ -157,7 +158,8 @@ class RolloutEngine:
     def __init__(self, model: nn.Module, tokenizer: lm.TokenizerLike, precision: str = "quads", *,
                  temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 32,
                  logprobs: str = "score", compensation: float | int | None = None,
-                 compensation_mode: str | None = None, dtype: torch.dtype | None = None,
+                 compensation_mode: str | None = None, four_over_six: bool = False,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
@@ -186,6 +188,8 @@ class RolloutEngine:
                 self.recipe = self.recipe.with_(compensation=type(comp)(
                     k=comp.k if compensation is None else compensation,
                     mode=compensation_mode or comp.mode))
+            if four_over_six:
+                self.recipe = with_four_over_six(self.recipe)
             summary = quantize_model(self.model, self.recipe)
             self.amax_groups = summary.shared_amax
         self.syncs = 0

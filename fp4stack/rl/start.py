@@ -18,6 +18,9 @@ from torch import nn
 from ..convert import quantize_model
 from ..data.tasks import Task, load_task
 from ..device import resolve_device
+from ..nn.recipe import Recipe
+from ..nn.recipe import four_over_six as with_four_over_six
+from ..nn.recipe import recipe as get_recipe
 from ..train.determinism import deterministic_algorithms
 from ..train.run import compile_for_training
 from . import policy as lm
@@ -115,6 +118,13 @@ def engine_kind(engine: RolloutEngine | RemoteEngine) -> str:
     return "fast" if isinstance(engine, FastRolloutEngine) else "reference"
 
 
+def trainer_recipe(cfg: RLConfig) -> Recipe:
+    """The trainer's recipe: cfg.trainer's, with Four Over Six block scales when the engine's
+    have them (cfg.four_over_six), so both quantize the weights alike."""
+    r = get_recipe(cfg.trainer)
+    return with_four_over_six(r) if cfg.four_over_six else r
+
+
 def make_engine(cfg: RLConfig, base: nn.Module, tokenizer: lm.TokenizerLike,
                 device: torch.device) -> RolloutEngine:
     """cfg's rollout engine on `device` (BF16 on CUDA), built from the unconverted `base`."""
@@ -123,7 +133,7 @@ def make_engine(cfg: RLConfig, base: nn.Module, tokenizer: lm.TokenizerLike,
                         temperature=cfg.temperature, top_p=cfg.top_p,
                         max_new_tokens=cfg.max_new_tokens, logprobs=cfg.logprobs,
                         compensation=cfg.compensation, compensation_mode=cfg.compensation_mode,
-                        dtype=dtype, device=device)
+                        four_over_six=cfg.four_over_six, dtype=dtype, device=device)
 
 
 def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=print
@@ -148,7 +158,7 @@ def build_run(cfg: RLConfig, device: torch.device, cache_dir: Path | None, log=p
         ref = copy.deepcopy(base).eval().requires_grad_(False)
     model = base.train()
     if cfg.trainer != "bf16":
-        quantize_model(model, cfg.trainer)
+        quantize_model(model, trainer_recipe(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return RunParts(task, model, tokenizer, engine, engine_device, opt, ref,
                     compile_for_training(model, cfg.compile))

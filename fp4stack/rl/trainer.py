@@ -23,6 +23,8 @@ import torch
 from ..data.tasks import Example, Task, pass_at_k
 from ..device import resolve_device
 from ..files import make_output_dir
+from ..nn.recipe import four_over_six as with_four_over_six
+from ..nn.recipe import recipe as get_recipe
 from ..train import distributed
 from ..train.metrics import MetricsLogger
 from . import policy as lm
@@ -68,11 +70,13 @@ def _activation_error(model, rollout, cfg: RLConfig, step: int, out: Path) -> di
     """Per-layer W4A4 error of the trainer's policy on this step's rollouts, in the rollout's
     activation format (W4A4 with per-token scales for the -token rollouts, else per-tensor),
     appended to out/activation_error.jsonl; its means, for the step's metrics."""
-    recipe = "w4a4-token" if cfg.rollout.endswith("-token") else "w4a4"
+    recipe = get_recipe("w4a4-token" if cfg.rollout.endswith("-token") else "w4a4")
+    if cfg.four_over_six:
+        recipe = with_four_over_six(recipe)
     summary, layers = activation_errors(model, rollout.tokens, rollout.mask, recipe,
                                         cfg.compensation)
     with open(out / "activation_error.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "recipe": recipe, "compensation": cfg.compensation,
+        f.write(json.dumps({"step": step, "recipe": recipe.name, "compensation": cfg.compensation,
                             **summary, "layers": layers}) + "\n")
     return summary
 
@@ -219,7 +223,7 @@ def _run_rl(cfg: RLConfig, device: torch.device, log, cache_dir) -> dict[str, An
     result = {"rollout": cfg.rollout, "trainer": cfg.trainer, "trainer_dtype": cfg.trainer_dtype,
               "correction": cfg.correction,
               "compensation": cfg.compensation, "compensation_mode": cfg.compensation_mode,
-              "seed": cfg.seed, "start_weights": start_digest,
+              "four_over_six": cfg.four_over_six, "seed": cfg.seed, "start_weights": start_digest,
               "engine_device": str(engine_device), "off_policy": cfg.off_policy,
               "steps": len(history), "final_reward": history[-1]["reward"],
               "start_pass_at_1": start_pass1,

@@ -127,3 +127,18 @@ def test_a_run_records_the_option_and_its_activation_errors(tmp_path):
     assert result["k3_max"] < 1e-6  # engine and trainer quantize the weights alike
     rows = [json.loads(line) for line in (tmp_path / "run" / "activation_error.jsonl").open()]
     assert rows and all(r["recipe"] == "w4a4+4over6" for r in rows)
+
+
+def test_the_rl_command_takes_the_option(tmp_path, capsys):
+    from fp4stack.cli import main
+
+    config = tmp_path / "rl.yaml"
+    config.write_text("policy: {kind: gpt, preset: tiny-moe, moe_hidden: 64}\n"
+                      "task: arithmetic:add\ntask_options: {level: 1, n_test: 8}\n"
+                      "sft_steps: 2\nsteps: 1\nprompts_per_step: 2\ngroup_size: 2\n"
+                      "max_new_tokens: 3\neval_every: 1\neval_size: 4\ndevice: cpu\n")
+    out = tmp_path / "run"
+    assert main(["rl", "--config", str(config), "--rollout", "w4a16", "--trainer", "qat-w",
+                 "--four-over-six", "--out", str(out)]) == 0
+    assert json.loads((out / "result.json").read_text())["four_over_six"] is True
+    assert "done: final reward" in capsys.readouterr().out

@@ -44,6 +44,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="rollout correction (importance weights on the policy loss)")
     p.add_argument("--routing-replay", action="store_true", default=None,
                    help="replay the rollout's MoE routing in the trainer")
+    p.add_argument("--four-over-six", action="store_true", default=None,
+                   help="Four Over Six NVFP4 block scales in the engine and the qat-w trainer "
+                        "alike (the config's four_over_six)")
     p.add_argument("--engine", choices=ENGINES,
                    help="rollout engine: fast (static KV cache, CUDA-graph steps), reference, "
                         "or auto (fast for fp4stack GPT policies on CUDA; the default)")
@@ -100,6 +103,7 @@ def run_rl_command(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args, rollout=args.rollout, trainer=args.trainer,
                       correction=args.correction, routing_replay=args.routing_replay,
+                      four_over_six=args.four_over_six,
                       engine=args.engine, engine_device=args.engine_device,
                       off_policy=args.off_policy, out=args.out)
         result = run_rl(cfg)

@@ -153,7 +153,8 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
     g = torch.Generator(device=device).manual_seed(0)
     for precision in precisions:
         kw = dict(dtype=dtype, temperature=1.0, logprobs=args.logprobs,
-                  compensation=args.compensation, compensation_mode=args.compensation_mode)
+                  compensation=args.compensation, compensation_mode=args.compensation_mode,
+                  four_over_six=args.four_over_six)
         engine = FastRolloutEngine(base, tok, precision, **kw)
         variants = [("fast", engine)] + [
             (name, FastRolloutEngine(base, tok, precision, **options, **kw))
@@ -185,6 +186,7 @@ def bench_shape(shape: str, precisions: list[str], batches: list[int], args,
                 steps_s = bandwidth / weights
                 emit({"shape": shape, "precision": label, "engine": name, "batch": batch,
                       "compensation": args.compensation if compensated else None,
+                      "four_over_six": args.four_over_six,
                       "prompt": args.prompt, **r, "weight_mb": weights / 1e6,
                       "kv_mb": kv / 1e6, "roofline_tokens_per_s": batch * steps_s,
                       "roofline_kv_tokens_per_s": batch * bandwidth / (weights + kv),
@@ -313,6 +315,8 @@ def main() -> None:
     p.add_argument("--compensation", type=float, default=0.05, help="quads: channel fraction")
     p.add_argument("--compensation-mode", default="dynamic", choices=("dynamic", "static"),
                    help="quads: channels per batch, or fixed by a calibration forward")
+    p.add_argument("--four-over-six", action="store_true",
+                   help="Four Over Six block scales on the NVFP4 operands (RLConfig.four_over_six)")
     p.add_argument("--repeats", type=int, default=1, help="timed calls per row (median)")
     p.add_argument("--grpo-step", action="store_true",
                    help="instead: time GRPO steps of configs/rl/small-moe.yaml per engine")

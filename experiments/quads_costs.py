@@ -4,9 +4,9 @@ Joins an `rl-compare` report (rl_compare.json: final pass@1, mean k3 and mean pe
 |dlogp| of each run, averaged over its seeds) with `benchmarks/bench_rollout.py` results
 (tokens/s of each precision at the policy's shape) into one markdown table, the basis for
 choosing QUADS's default compensated ratio, static or dynamic channels, and the activation
-scaling. A run and an engine row match on the rollout precision, and for QUADS on the
-compensated fraction and the channel mode; tokens/s are given against the BF16 row of the
-same results file.
+scaling. A run and an engine row match on the rollout precision, for QUADS on the compensated
+fraction and the channel mode, and on Four Over Six scales; tokens/s are given against the BF16
+row of the same results file.
 
     python experiments/quads_costs.py runs/rl-compare/all/rl_compare.json \\
         benchmarks/results/bench_rollout_smollm2_moe_h100_2026-12-05.json [more.json ...]
@@ -24,8 +24,9 @@ from fp4stack.rl.compare_report import seed_summary
 
 
 def engine_speeds(results: list[dict[str, Any]]) -> dict[tuple, tuple[float, float]]:
-    """{(precision, compensation, mode): (tokens/s, against BF16 in the same file)} from
-    bench_rollout results (fast-engine rows; the last file wins a key two files share)."""
+    """{(precision, compensation, mode, four_over_six): (tokens/s, against BF16 in the same
+    file)} from bench_rollout results (fast-engine rows; the last file wins a key two files
+    share)."""
     out = {}
     for res in results:
         rows = [r for r in res["rows"] if r.get("engine") == "fast"]
@@ -33,16 +34,20 @@ def engine_speeds(results: list[dict[str, Any]]) -> dict[tuple, tuple[float, flo
         for r in rows:
             precision, _, mode = r["precision"].partition(":")
             compensation = r.get("compensation")
-            key = (precision, compensation, (mode or "dynamic") if compensation else None)
+            key = (precision, compensation, (mode or "dynamic") if compensation else None,
+                   bool(r.get("four_over_six", False)))
             out[key] = (r["tokens_per_s"], r["tokens_per_s"] / bf16 if bf16 else float("nan"))
     return out
 
 
 def run_key(row: dict[str, Any]) -> tuple:
-    """A report row's engine key: its rollout, and for QUADS its fraction and channel mode."""
+    """A report row's engine key: its rollout, for QUADS its fraction and channel mode, and
+    whether its NVFP4 block scales were Four Over Six."""
+    four_six = bool(row.get("four_over_six", False))
     if row["rollout"].startswith("quads"):
-        return row["rollout"], row["compensation"], row.get("compensation_mode", "dynamic")
-    return row["rollout"], None, None
+        return (row["rollout"], row["compensation"], row.get("compensation_mode", "dynamic"),
+                four_six)
+    return row["rollout"], None, None, four_six
 
 
 def cost_table(report: list[dict[str, Any]], speeds: dict[tuple, tuple[float, float]]

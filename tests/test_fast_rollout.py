@@ -418,7 +418,8 @@ def test_rollout_benchmark_rows_on_cpu():
         experts * (1 - 0.5**64))
     args = argparse.Namespace(prompt=5, new_tokens=4, reference_new_tokens=2, no_reference=False,
                               logprobs="score", compensation=0.05, repeats=1, profile=False,
-                              compile=False, unfused=True, compensation_mode="static")
+                              compile=False, unfused=True, compensation_mode="static",
+                              four_over_six=True)
     rows = []
     bench.SHAPES["test"] = dict(vocab_size=20, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                 ffn_hidden=64)
@@ -431,6 +432,7 @@ def test_rollout_benchmark_rows_on_cpu():
         (p, e, n) for p in ("nvfp4", "quads:static")  # static: calibrated, and labelled so
         for e, n in (("fast", 4), ("fast-unfused", 4), ("reference", 2))]
     assert all(r["tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 for r in rows)
+    assert all(r["four_over_six"] for r in rows)
     assert bench.format_table(rows).count("\n") == 7
 
 

@@ -53,28 +53,36 @@ def file_chunks(encode, path: str, chunks: int, chunk_tokens: int) -> list[list[
 @torch.no_grad()
 def fidelity(model: torch.nn.Module, precisions: list[str], tokens: torch.Tensor,
              mask: torch.Tensor, dtype: torch.dtype | None, engine: str = "auto",
-             trainer: str | None = None, calibration: list[list[int]] | None = None
-             ) -> list[dict]:
+             trainer: str | None = None, calibration: list[list[int]] | None = None,
+             four_over_six: bool = False) -> list[dict]:
     """A row per precision: the engine's mean NLL and its |dlogp| against `model` (float32), or
     against `model` converted to the `trainer` recipe (qat-w: the QUADS trainer's function);
     `engine` as RLConfig.engine (auto: the fast engine on CUDA, the reference one elsewhere).
     A precision is a rollout name with an optional share and mode, as `rl-compare` names runs
-    (quads@0.5, quads@0.5:static); static channels are fixed from `calibration`."""
+    (quads@0.5, quads@0.5:static); static channels are fixed from `calibration`.
+    four_over_six: the engines' and the trainer's NVFP4 block scales by Four Over Six
+    (RLConfig.four_over_six); their rows are named NAME+4over6."""
     from fp4stack.convert import quantize_model
+    from fp4stack.nn.recipe import four_over_six as with_four_over_six
+    from fp4stack.nn.recipe import recipe
     from fp4stack.rl.compare import parse_run
 
     reference = model
+    suffix = "+4over6" if four_over_six else ""
     if trainer is not None:
         reference = copy.deepcopy(model)
-        quantize_model(reference, trainer)
+        r = recipe(trainer)
+        quantize_model(reference, with_four_over_six(r) if four_over_six else r)
     scored = torch.nn.functional.pad(mask[:, 1:] & mask[:, :-1], (1, 0))
     want = lm.token_logprobs(reference, tokens, mask)[scored]
-    rows = [{"precision": trainer or "float32", "nll": -want.mean().item()}]
+    rows = [{"precision": f"{trainer}{suffix}" if trainer else "float32",
+             "nll": -want.mean().item()}]
     for precision in precisions:
         run = parse_run(precision)
         rollout = build_engine(engine, model, None, run["rollout"], dtype=dtype,
                                compensation=run.get("compensation"),
-                               compensation_mode=run.get("compensation_mode"))
+                               compensation_mode=run.get("compensation_mode"),
+                               four_over_six=four_over_six)
         rollout.sync(reference)
         if run.get("compensation_mode") == "static":
             if not calibration:
@@ -82,7 +90,7 @@ def fidelity(model: torch.nn.Module, precisions: list[str], tokens: torch.Tensor
             rollout.calibrate(calibration)
         got = lm.token_logprobs(rollout.model, tokens, mask)[scored]
         diff = (got - want).abs()
-        rows.append({"precision": precision, "nll": -got.mean().item(),
+        rows.append({"precision": precision + suffix, "nll": -got.mean().item(),
                      "dlogp_mean": diff.mean().item(), "dlogp_max": diff.max().item()})
     return rows
 
@@ -103,6 +111,8 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens a window (default 256)")
     p.add_argument("--trainer", help="score against the model converted to this recipe (qat-w: "
                    "the QUADS trainer) instead of the float32 model")
+    p.add_argument("--four-over-six", action="store_true",
+                   help="Four Over Six NVFP4 block scales in the engines and the trainer alike")
     args = p.parse_args()
     loaded = hf.load(args.model)
     device = resolve_device(args.device)
@@ -121,7 +131,7 @@ def main() -> None:
         model = dense if experts == 0 else upcycle_gpt(dense, experts, 2, expert_noise=0.01,
                                                        seed=0).eval().to(device)
         for r in fidelity(model, args.precisions.split(","), tokens, mask, dtype, args.engine,
-                          args.trainer, calibration):
+                          args.trainer, calibration, args.four_over_six):
             rows.append({"experts": experts, **r})
     print(f"{loaded.description}; {len(texts)} texts, {int(mask.sum()) - len(texts)} scored "
           f"tokens; engines in {args.dtype} on {device}")

@@ -48,3 +48,17 @@ def test_quads_shares_and_static_channels_against_the_qat_w_trainer():
     assert rows["quads@0.25:static"]["dlogp_max"] > 0 and rows["quads@0.25"]["dlogp_max"] > 0
     with pytest.raises(ValueError, match="calibration"):
         fidelity(model, ["quads@0.25:static"], tokens, mask, None, trainer="qat-w")
+
+
+def test_four_over_six_engines_against_the_four_over_six_trainer():
+    model = gpt_from_hf(hf.load("tiny-dense").model).eval()
+    tokens, mask = padded_batch([[1, 5, 9, 200, 17, 3], [7, 7, 8, 100]], pad=0)
+    rows = {r["precision"]: r for r in fidelity(
+        model, ["w4a16", "quads@1.0", "nvfp4"], tokens, mask, None, trainer="qat-w",
+        four_over_six=True)}
+    assert set(rows) == {"qat-w+4over6", "w4a16+4over6", "quads@1.0+4over6", "nvfp4+4over6"}
+    assert rows["w4a16+4over6"]["dlogp_max"] == 0.0  # the same weights, unquantized x
+    assert rows["quads@1.0+4over6"]["dlogp_max"] < 1e-5
+    plain = {r["precision"]: r for r in fidelity(model, ["w4a16"], tokens, mask, None,
+                                                 trainer="qat-w")}
+    assert plain["qat-w"]["nll"] != rows["qat-w+4over6"]["nll"]  # other weights

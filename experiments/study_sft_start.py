@@ -52,13 +52,18 @@ def sampled_stats(engine, task, examples, group: int, seed: int) -> dict[str, fl
 
 
 @torch.no_grad()
+def completion_batch(tokenizer, task, examples, device) -> tuple[torch.Tensor, ...]:
+    """(tokens, mask, target) on `device`: the examples' prompts with their reference
+    completions, one left-padded batch, target marking the completions' tokens."""
+    rows = [encode_example(tokenizer, e.prompt, task.completion(e)) for e in examples]
+    return tuple(t.to(device) for t in left_padded(rows, tokenizer.pad_id))
+
+
 def completion_mismatch(engine, model, examples, task) -> dict[str, float]:
     """Mean and max |log p_engine - log p_model| over the reference completions' tokens of
     `examples` (teacher-forced, one left-padded batch), and the engine's mean negative log-prob
     of them."""
-    rows = [encode_example(engine.tokenizer, e.prompt, task.completion(e)) for e in examples]
-    tokens, mask, target = (t.to(engine.device)
-                            for t in left_padded(rows, engine.tokenizer.pad_id))
+    tokens, mask, target = completion_batch(engine.tokenizer, task, examples, engine.device)
     got = lm.token_logprobs(engine.model, tokens, mask)[target].float()
     want = lm.token_logprobs(model, tokens, mask)[target].float()  # the engine is on its device
     diff = (got - want).abs()

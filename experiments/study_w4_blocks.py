@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from study_sft_start import completion_batch
 from tqdm.auto import tqdm
 
 from fp4stack.convert import DEFAULT_SKIP, quantize_model
@@ -35,15 +36,7 @@ from fp4stack.device import resolve_device
 from fp4stack.nn.recipe import recipe as get_recipe
 from fp4stack.rl import policy as lm
 from fp4stack.rl.config import load_rl_config
-from fp4stack.rl.policies import encode_example, left_padded
 from fp4stack.rl.start import prepare_policy
-
-
-def completion_batch(tokenizer, task, examples, device):
-    """(tokens, mask, target) of the examples' prompts with their reference completions,
-    target marking the completions' tokens."""
-    rows = [encode_example(tokenizer, e.prompt, task.completion(e)) for e in examples]
-    return tuple(t.to(device) for t in left_padded(rows, tokenizer.pad_id))
 
 
 @torch.no_grad()

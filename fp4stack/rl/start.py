@@ -118,11 +118,17 @@ def engine_kind(engine: RolloutEngine | RemoteEngine) -> str:
     return "fast" if isinstance(engine, FastRolloutEngine) else "reference"
 
 
-def trainer_recipe(cfg: RLConfig) -> Recipe:
-    """The trainer's recipe: cfg.trainer's, with Four Over Six block scales when the engine's
-    have them (cfg.four_over_six), so both quantize the weights alike."""
-    r = get_recipe(cfg.trainer)
+def run_recipe(name: str, cfg: RLConfig) -> Recipe:
+    """Recipe `name` with the run's block scales: Four Over Six when cfg.four_over_six, as the
+    engine's (RolloutEngine applies the same), so trainer, engine and the per-layer error
+    analysis quantize alike."""
+    r = get_recipe(name)
     return with_four_over_six(r) if cfg.four_over_six else r
+
+
+def trainer_recipe(cfg: RLConfig) -> Recipe:
+    """The trainer's recipe: cfg.trainer's with the run's block scales (`run_recipe`)."""
+    return run_recipe(cfg.trainer, cfg)
 
 
 def make_engine(cfg: RLConfig, base: nn.Module, tokenizer: lm.TokenizerLike,

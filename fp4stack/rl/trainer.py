@@ -23,8 +23,6 @@ import torch
 from ..data.tasks import Example, Task, pass_at_k
 from ..device import resolve_device
 from ..files import make_output_dir
-from ..nn.recipe import four_over_six as with_four_over_six
-from ..nn.recipe import recipe as get_recipe
 from ..train import distributed
 from ..train.metrics import MetricsLogger
 from . import policy as lm
@@ -35,7 +33,7 @@ from .policies import encode_example, weights_digest
 from .remote import ENGINE_RANK, RemoteEngine
 from .rollout import Rollout, RolloutEngine
 from .schedule import RolloutSource
-from .start import build_run, engine_kind, serve_engine, start_engine, start_hint
+from .start import build_run, engine_kind, run_recipe, serve_engine, start_engine, start_hint
 from .update import train_step
 
 
@@ -70,9 +68,7 @@ def _activation_error(model, rollout, cfg: RLConfig, step: int, out: Path) -> di
     """Per-layer W4A4 error of the trainer's policy on this step's rollouts, in the rollout's
     activation format (W4A4 with per-token scales for the -token rollouts, else per-tensor),
     appended to out/activation_error.jsonl; its means, for the step's metrics."""
-    recipe = get_recipe("w4a4-token" if cfg.rollout.endswith("-token") else "w4a4")
-    if cfg.four_over_six:
-        recipe = with_four_over_six(recipe)
+    recipe = run_recipe("w4a4-token" if cfg.rollout.endswith("-token") else "w4a4", cfg)
     summary, layers = activation_errors(model, rollout.tokens, rollout.mask, recipe,
                                         cfg.compensation)
     with open(out / "activation_error.jsonl", "a") as f:

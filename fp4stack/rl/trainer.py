@@ -71,10 +71,23 @@ def _activation_error(model, rollout, cfg: RLConfig, step: int, out: Path) -> di
     recipe = run_recipe("w4a4-token" if cfg.rollout.endswith("-token") else "w4a4", cfg)
     summary, layers = activation_errors(model, rollout.tokens, rollout.mask, recipe,
                                         cfg.compensation)
+    record = {"step": step, "recipe": recipe.name, "compensation": cfg.compensation,
+              **summary, "layers": layers}
     with open(out / "activation_error.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "recipe": recipe.name, "compensation": cfg.compensation,
-                            **summary, "layers": layers}) + "\n")
+        f.write(json.dumps(_significant(record)) + "\n")
     return summary
+
+
+def _significant(value: Any, digits: int = 6) -> Any:
+    """value with every float cut to `digits` significant digits: the per-layer record is an
+    analysis, and 17-digit floats made it ~1 MB a run."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: _significant(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_significant(v, digits) for v in value]
+    return value
 
 
 def draw_group(stream: Iterator[Example], cfg: RLConfig) -> list[Example]:

@@ -11,7 +11,7 @@ kernel each. A count, not a time: the GPU's fusions (cuBLAS epilogues, Inductor)
 are not modelled.
 
     python benchmarks/count_launches.py [--dim 64] [--blocks 7] [--out counts.json]
-    python benchmarks/count_launches.py --decode [--precisions bf16,nvfp4,quads]
+    python benchmarks/count_launches.py --decode [--precisions bf16,nvfp4,quads,quads:static]
     python benchmarks/count_launches.py --update [--trainers bf16,qat-w]
     python benchmarks/count_launches.py --refit [--precisions bf16,nvfp4,quads]
 
@@ -202,13 +202,18 @@ def count_decode(precision: str, dim: int) -> dict:
     from fp4stack.data.char_tokenizer import CharTokenizer
     from fp4stack.rl.fast_rollout import FastRolloutEngine
 
+    rollout, _, mode = precision.partition(":")  # quads:static, channels calibrated first
+
     def step(blocks: int) -> tuple[Counter, Counter]:
         counts = []
         for new in (3, 4):  # one decoding step apart, everything else the same
             engine = FastRolloutEngine(
-                _smollm2_block_gpt(blocks, dim), CharTokenizer(), precision, max_new_tokens=new,
-                dtype=torch.bfloat16, compensation=0.5 if precision.startswith("quads") else None,
+                _smollm2_block_gpt(blocks, dim), CharTokenizer(), rollout, max_new_tokens=new,
+                dtype=torch.bfloat16, compensation=0.5 if rollout.startswith("quads") else None,
+                compensation_mode=mode or None,
                 eos_check_every=100)  # no EOS check inside the counted steps
+            if mode == "static":
+                engine.calibrate([[5, 6, 7, 8, 9, 10, 11, 12]] * 4)
             counts.append(_count_generate(engine, [[5, 6, 7, 8]] * 4))
         return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
 

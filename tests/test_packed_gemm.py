@@ -135,6 +135,31 @@ def test_segments_read_one_operand_per_sibling_bit_exact(sizes, config):
         pg.packed_linear(a, t, segments=(n,))
 
 
+def test_narrower_tiles_make_sibling_boundaries_whole():
+    cfg = pg.GEMM_CONFIGS["dot64x128x64"]
+    assert pg.narrower_tiles(cfg, [576, 768]).block_n == 64  # q/k/v of dim 576, 3 kv heads
+    assert pg.narrower_tiles(cfg, [576, 768]).block_k == cfg.block_k  # the K loop as before
+    assert pg.narrower_tiles(cfg, [256, 512]) is cfg  # already whole tiles
+    assert pg.narrower_tiles(cfg, [20, 40]) is cfg  # no tile of >= 16 fits: one launch each
+    swapped = pg.GEMM_CONFIGS["swap16x64x128"]
+    assert pg.narrower_tiles(swapped, [32, 64]) is swapped  # wgmma's swap needs block_n >= 64
+
+
+def test_segments_take_one_launch_with_narrower_tiles(monkeypatch):
+    # 100 rows take the table's block_n-128 config; boundaries at 64 and 128 rows fit 64.
+    sizes, k = (64, 64, 64), 80
+    t = quantized(grid_weight(sum(sizes), k, seed=6), QuantSpec(), amax=2688.0)
+    a = torch.stack([small_ints(100, k, seed=j) for j in range(3)]).to(DEVICE, torch.bfloat16)
+    assert pg.choose_config(100, sum(sizes), k, a.device, a.dtype)[0].block_n == 128
+    launches = []
+    dense = pg._dense
+    monkeypatch.setattr(pg, "_dense", lambda *args, **kw: launches.append(1) or dense(*args, **kw))
+    got = pg.packed_linear(a, t, segments=sizes)
+    assert len(launches) == 1
+    want = torch.cat([expected(a[j], t)[:, 64 * j:64 * (j + 1)] for j in range(3)], dim=1)
+    assert torch.equal(bits(got), bits(want))
+
+
 @pytest.mark.parametrize("magnitude", [1e-38, 1e-30, 1e-3, 1.0, 7.0, 1e20, 3e38])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_weight_value_bit_exact_at_any_scale(magnitude, dtype):

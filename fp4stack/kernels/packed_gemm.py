@@ -9,7 +9,7 @@ The tile candidates are in one table (`GEMM_CONFIGS`, `GROUPED_CONFIGS`), picked
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -236,9 +236,11 @@ def _segmented(a, w, bias, config, segments):
                          f"{tuple(a.shape)}")
     cfg = config or choose_config(a.shape[1], n, a.shape[2], a.device, a.dtype)[0]
     starts = [sum(segments[:j]) for j in range(1, len(segments))]
-    if all(b % cfg.block_n == 0 for b in starts):  # no tile straddles two siblings
+    tiles = cfg if config is not None else narrower_tiles(cfg, starts)
+    if all(b % tiles.block_n == 0 for b in starts):  # no tile straddles two siblings
         a = a.contiguous()
-        return _dense(a[0], w, bias, config, a, (*starts, n, n)[:2])
+        return _dense(a[0], w, bias, config if tiles is cfg else tiles, a,
+                      (*starts, n, n)[:2])
     outs, r0 = [], 0
     for j, rows in enumerate(segments):
         wj = (NVFP4Tensor(w.data[r0:r0 + rows], w.scales[r0:r0 + rows], w.amax,
@@ -247,6 +249,20 @@ def _segmented(a, w, bias, config, segments):
         outs.append(_dense(a[j], wj, None if bias is None else bias[r0:r0 + rows], config))
         r0 += rows
     return torch.cat(outs, dim=1)
+
+
+def narrower_tiles(cfg: GemmConfig, bounds: list[int]) -> GemmConfig:
+    """cfg with block_n halved until every sibling boundary in `bounds` is a whole tile, so
+    fused siblings take one launch (e.g. q/k/v boundaries at 576 and 768 rows against block_n
+    128); cfg itself when it already fits or no narrower tile would (block_n stays >= 16, and
+    >= 64 for swap_ab, which wgmma needs). block_k and the K loop are unchanged."""
+    floor = 64 if cfg.swap_ab else 16
+    bn = cfg.block_n
+    while any(b % bn for b in bounds) and bn // 2 >= floor:
+        bn //= 2
+    if bn == cfg.block_n or any(b % bn for b in bounds):
+        return cfg
+    return replace(cfg, block_n=bn)
 
 
 def _dense(a, w, bias, config, a_segments=None, a_bounds=None):

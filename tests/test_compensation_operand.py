@@ -19,8 +19,10 @@ pytest.importorskip("triton")
 from fp4stack.kernels import moe_align  # noqa: E402
 from fp4stack.kernels.compensation import (  # noqa: E402
     DENSE_TILE,
+    MAX_ROW_SPLITS,
     compensated_operand,
     operand_supported,
+    row_splits,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,18 +151,19 @@ def test_static_channels_are_q_of_x_with_x_at_the_kept_ones(spec, dtype):
     """keep= (calibrated channels): x~ = where(keep, x, Q(x)) in one launch, for a layer, its
     siblings (a mask each) and a grouped MoE's pairs (each expert's mask and amax)."""
     s = SPECS[spec]
-    x = activations(DENSE_TILE + 3, 48, dtype, seed=4)
+    rows = MAX_ROW_SPLITS * DENSE_TILE + 3  # one more tile than programs share them out
+    x = activations(rows, 48, dtype, seed=4)
     q = fake_quantize(x, spec=s)
     keep = random_keep(3, 48, 7, seed=1)
     assert torch.equal(compensated_operand(x, s, 0, None, keep=keep[0]),
                        torch.where(keep[0], x, q))
     got = compensated_operand(x, s, 0, None, keep=keep)
-    assert got.shape == (3, DENSE_TILE + 3, 48)
+    assert got.shape == (3, rows, 48)
     for j in range(3):
         assert torch.equal(got[j], torch.where(keep[j], x, q))
     assert torch.equal(compensated_operand(x, s, 0, None, keep=torch.ones_like(keep[0])), x)
 
-    t, top_k, n_experts = 11, 2, 4
+    t, top_k, n_experts = 29, 2, 4
     indices = torch.randn(t, n_experts, generator=torch.Generator().manual_seed(5)
                           ).topk(top_k, dim=-1).indices.to(DEVICE)
     x = activations(t, 48, dtype, seed=6)
@@ -178,3 +181,13 @@ def test_static_channels_are_q_of_x_with_x_at_the_kept_ones(spec, dtype):
             assert torch.equal(got[mine], torch.where(keep[e], rows, q)), e
     with pytest.raises(ValueError, match="must end in K=48"):
         compensated_operand(x, s, 0, None, keep=keep[:, :40])
+
+
+def test_static_row_tiles_are_shared_out_and_dynamic_ones_walked_in_order():
+    assert row_splits(256, None, static=False) == 1  # the sums add the tiles in order
+    assert row_splits(256, None, static=True) == min(MAX_ROW_SPLITS, 256 // DENSE_TILE)
+    assert row_splits(1, None, static=True) == 1
+    indices = torch.arange(64).reshape(32, 2).remainder(8).to(DEVICE)
+    al = moe_align.align_pairs(indices, 8, 4)
+    assert row_splits(32, al, static=True) == -(-al.tile_expert.numel() // 8)
+    assert row_splits(32, al, static=False) == 1

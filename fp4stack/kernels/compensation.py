@@ -9,7 +9,8 @@ themselves), no host sync, static shapes (CUDA-graph capturable):
 1. `quantize_energy_kernel`, a program per (group, block of columns): it walks the group's rows
    (the layer's, or one expert's token-expert pairs in moe_align's tiles), writes Q(x) (into
    each of J outputs) and sums the squared residual (x - Q(x), rounded to x's dtype, squared in
-   float32) over the rows.
+   float32) over the rows. With static channels (keep masks) there are no sums and the launch
+   is all of x~; its programs then share a group's row tiles out (`row_splits`).
 2. `select_kernel`, a program per (tile of rows, output j): the energies, those sums times
    ||Q(W_j)[:, c]||² (`nn.compensation.channel_energy`), its group's count channels of highest
    energy (`top_mask`'s rule: ties lowest index first), and x written over Q(x) there.
@@ -39,6 +40,7 @@ from .top_mask import MAX_LENGTH, top_k_mask
 
 DENSE_TILE = 16  # rows a dense layer's programs take at once
 ENERGY_BLOCKS = 4  # 16-column blocks a quantize_energy program covers
+MAX_ROW_SPLITS = 16  # programs sharing a group's row tiles, static channels
 AMAX_BLOCKS = tl.constexpr(32)  # 16-column blocks a step of its in-kernel amax reads
 
 
@@ -52,7 +54,10 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
     """q[j, r] = fake_quantize(x[r // DIV]) (j < J) for the rows r of group g = program_id(0),
     and sums[g, c] = sum_r (x - q)[r, c]² over the columns of program_id(1); output j starts
     QS elements after output j - 1. KEEP (static channels): no sums; q[j, r, c] = x[r // DIV, c]
-    where keep[j * G + g, c] (bool) is set, the whole x~ in this one launch.
+    where keep[j * G + g, c] (bool) is set, the whole x~ in this one launch. The group's tiles
+    are shared out over program_id(2) (t0 + pid, t0 + pid + num_programs, ...): one program on
+    that axis with sums, which add the tiles in order; more with KEEP, whose rows are
+    independent.
     SORTED: the group's rows are rows_ptr[t * TILE ...] for its tiles tiles_ptr[g] ..
     tiles_ptr[g + 1] (R marks padding); else rows 0 .. R in N_TILES tiles. The amax is
     amax[r // DIV] (ROW_AMAX) or amax[g]; AMAX_HERE: computed by the program itself, x's rows'
@@ -71,7 +76,7 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
     acc_hi = tl.zeros((KB, 8), dtype=tl.float32)
     if AMAX_HERE and not ROW_AMAX:
         x_amax = tensor_abs_max(x_ptr, 1, sources, K, 0, sxm, 1, TILE, AMAX_BLOCKS, False, 0)
-    for t in range(t0, t1):
+    for t in range(t0 + tl.program_id(2), t1, tl.num_programs(2)):
         slot = t * TILE + tl.arange(0, TILE)
         if SORTED:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
             rows = tl.load(rows_ptr + slot)
@@ -79,7 +84,7 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
             rows = slot
         ok = rows < R
         src = tl.where(ok, rows // DIV, sources)  # padding reads nothing
-        lo, hi, mask_lo, mask_hi = load_halves(x_ptr, tl.program_id(2), src, kbs, sources, K,
+        lo, hi, mask_lo, mask_hi = load_halves(x_ptr, g * 0, src, kbs, sources, K,
                                                0, sxm, 1, False, 0)
         if AMAX_HERE:
             if ROW_AMAX:
@@ -161,6 +166,19 @@ def operand_supported(spec: QuantSpec, k: int) -> bool:
     return rows_fake_quantize_supported(spec) and 0 < k <= MAX_LENGTH
 
 
+def row_splits(rows: int, alignment, static: bool) -> int:
+    """How many programs share a group's row tiles in `quantize_energy_kernel`: 1 unless the
+    channels are static; then for a dense layer of `rows` rows a tile each, for a grouped MoE
+    (whose tiles per expert the host does not know without a sync) its tiles' mean per expert;
+    at most MAX_ROW_SPLITS."""
+    if not static:
+        return 1
+    if alignment is None:
+        return max(1, min(MAX_ROW_SPLITS, cdiv(rows, DENSE_TILE)))
+    n_tiles, n_groups = alignment.tile_expert.numel(), alignment.expert_tiles.numel() - 1
+    return max(1, min(MAX_ROW_SPLITS, cdiv(n_tiles, max(1, n_groups))))
+
+
 def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int,
                         norms: torch.Tensor | None, *, amax: torch.Tensor | None = None,
                         alignment=None, row_div: int = 1,
@@ -180,12 +198,16 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int,
     or None for a row-scaled spec (each row's own). Returns [pairs, K] in pair order.
     """
     k = x.shape[-1]
+    static = keep is not None
     if not operand_supported(spec, k):
         raise ValueError(f"compensated_operand: spec {spec} with K={k} is not supported; it "
                          f"takes NVFP4 1x16 round-to-nearest specs, K <= {MAX_LENGTH}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     kb = ENERGY_BLOCKS
     col_programs = cdiv(cdiv(k, 16), kb)
+    # Static channels need no sums over the rows, so a group's row tiles are shared out over a
+    # third grid axis instead of walked by one program (dynamic ones keep one walk, in order).
+    splits = row_splits(x.shape[0], alignment, static)
     here = False
     if spec.row_scaled:
         if amax is not None:
@@ -196,7 +218,7 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int,
     elif amax is None:
         if alignment is not None:
             raise ValueError("compensated_operand: grouped rows need each expert's amax")
-        here = amax_here(x.numel(), col_programs)  # each reads the whole of x
+        here = amax_here(x.numel(), col_programs * splits)  # each reads the whole of x
     if here:
         amax = x  # not read
     elif amax is None:
@@ -224,12 +246,11 @@ def compensated_operand(x: torch.Tensor, spec: QuantSpec, count: int,
     shape = q.shape if siblings else q.shape[1:]
     if rows == 0:
         return q.reshape(shape)
-    static = keep is not None
     if static:
         keep = sums = keep.contiguous().view(torch.uint8)  # bool as bytes; sums not written
     else:
         keep = sums = torch.empty((n_groups, k), dtype=torch.float32, device=x.device)
-    quantize_energy_kernel[(n_groups, col_programs)](
+    quantize_energy_kernel[(n_groups, col_programs, splits)](
         x, amax, sorted_rows, tiles, q, sums, keep, rows, k, x.stride(0),
         row_div, n_tiles, outputs, rows * k, n_groups, TILE=tile, KB=kb, SORTED=sorted_,
         ROW_AMAX=spec.row_scaled, FOUR_OVER_SIX=spec.four_over_six, SCALE_MAX=spec.scale_max,

@@ -234,13 +234,12 @@ def _segmented(a, w, bias, config, segments):
         raise ValueError(f"packed_linear: segments {segments} must be 1 to 3 sizes summing to "
                          f"the weight's {n} rows, with a [J, M, K] of one operand each; got a "
                          f"{tuple(a.shape)}")
-    cfg = config or choose_config(a.shape[1], n, a.shape[2], a.device, a.dtype)[0]
     starts = [sum(segments[:j]) for j in range(1, len(segments))]
-    tiles = cfg if config is not None else narrower_tiles(cfg, starts)
-    if all(b % tiles.block_n == 0 for b in starts):  # no tile straddles two siblings
+    cfg = config or narrower_tiles(
+        choose_config(a.shape[1], n, a.shape[2], a.device, a.dtype)[0], starts)
+    if all(b % cfg.block_n == 0 for b in starts):  # no tile straddles two siblings
         a = a.contiguous()
-        return _dense(a[0], w, bias, config if tiles is cfg else tiles, a,
-                      (*starts, n, n)[:2])
+        return _dense(a[0], w, bias, cfg, a, (*starts, n, n)[:2])
     outs, r0 = [], 0
     for j, rows in enumerate(segments):
         wj = (NVFP4Tensor(w.data[r0:r0 + rows], w.scales[r0:r0 + rows], w.amax,

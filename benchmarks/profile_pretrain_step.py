@@ -30,6 +30,7 @@ import torch
 
 from fp4stack.device import resolve_device
 from fp4stack.kernels.profiling import short_name
+from fp4stack.train.compare import run_entry
 from fp4stack.train.config import load_config
 from fp4stack.train.optimizers import build_from_config
 from fp4stack.train.run import build_model, compile_for_training, open_data
@@ -170,7 +171,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="pretraining YAML (configs/pretrain/...)")
     p.add_argument("--recipes", default="bf16,fullstack-nvidia-noreuse",
-                   help="comma-separated recipes, profiled one after another in this process")
+                   help="comma-separated recipe[+optimizer] entries as compare takes them, "
+                   "profiled one after another in this process")
     p.add_argument("--steps", type=int, default=5, help="steps timed, then as many profiled")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--top", type=int, default=15, help="rows of the kernel and CPU-op tables")
@@ -196,10 +198,12 @@ def main() -> None:
     results = []
     for mode in modes:
         for name in args.recipes.split(","):
-            cfg = load_config(args.config, recipe=name, device=args.device)
+            label, recipe, optimizer = run_entry(name)  # "recipe[+optimizer]", as compare's
+            cfg = load_config(args.config, recipe=recipe, optimizer=optimizer, device=args.device)
             print(f"profiling {name} ({mode}) on {device} ...", flush=True)
             r = profile_recipe(cfg, args.vocab_size, device, args.steps, args.warmup, args.top,
                                mode=mode)
+            r["recipe"] = label
             print(f"  {r['wall_ms']:.1f} ms/step, warmup {r['warmup_s']:.0f} s", flush=True)
             results.append(r)
             if args.out:

@@ -43,3 +43,18 @@ def test_compiled_mode_times_the_compiled_model_against_bf16_in_the_same_mode():
               for r, f in ((eager, 3.0), (compiled, 1.5))]
     lines = prof.format_report([eager, compiled, *slower]).splitlines()[2:6]
     assert [line.split("|")[4].strip() for line in lines] == ["1.00x", "1.00x", "3.00x", "1.50x"]
+
+
+def test_entries_name_an_optimizer_as_compare_does(tmp_path, monkeypatch):
+    out = tmp_path / "p.json"
+    monkeypatch.setattr("sys.argv", [
+        "profile_pretrain_step.py", "--config", str(ROOT / "configs/pretrain/tiny.yaml"),
+        "--recipes", "bf16,bf16+root4", "--steps", "1", "--warmup", "1", "--top", "1",
+        "--vocab-size", "256", "--device", "cpu", "--out", str(out)])
+    prof.main()
+    import json
+    rows = json.loads(out.read_text())["results"]
+    assert [r["recipe"] for r in rows] == ["bf16", "bf16+root4"]
+    # Same seed and tokens: the timed step follows one update, by AdamW in one run and by
+    # ROOT with NVFP4 states in the other, so the losses differ.
+    assert rows[0]["loss"] != rows[1]["loss"]

@@ -61,7 +61,7 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
         raise ValueError("seeds is empty; give at least one seed (e.g. --seeds 0)")
     plan = [(r, s) for r in recipes for s in seeds]
     plan += [(BASELINE, s) for s in baseline_seeds if s not in seeds or BASELINE not in recipes]
-    runs = {entry: _run(entry) for entry in dict.fromkeys(r for r, _ in plan)}
+    runs = {entry: run_entry(entry) for entry in dict.fromkeys(r for r, _ in plan)}
     dirs = [(runs[entry][0], s, out / f"{runs[entry][0]}-s{s}") for entry, s in plan]
     pending = []
     for (entry, s), (label, _, run_dir) in zip(plan, dirs, strict=True):
@@ -93,7 +93,7 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     return rows
 
 
-def _run(entry: str) -> tuple[str, str | dict, str | None]:
+def run_entry(entry: str) -> tuple[str, str | dict, str | None]:
     """(label, recipe, optimizer) of a run entry "recipe[+optimizer]", the recipe a preset name
     or a YAML file with a recipe mapping (`recipe_arg`), labelled by its name."""
     spec, _, optimizer = entry.partition("+")

@@ -276,3 +276,36 @@ def test_a_trained_moe_gpt_can_be_copied_and_pickled():
         for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
             assert torch.equal(a, b)
         assert torch.equal(other(idx)[0], model(idx)[0])
+
+
+def test_rope_tables_hold_rope_cos_sin_bits_through_casts_moves_and_meta():
+    from fp4stack.models.rope import rope_cos_sin
+
+    model = make(max_seq_len=64)
+    c = model.config
+    positions = torch.tensor([[0, 0, 0, 1, 2], [3, 17, 40, 41, 63]])  # pads clamp to 0
+    want = rope_cos_sin(positions, c.head_size, c.rope_theta)
+    inner = model.model
+
+    def check(m):
+        assert m.rope_cos.dtype == m.rope_sin.dtype == torch.float32
+        assert torch.equal(m.rope_cos[positions], want[0])
+        assert torch.equal(m.rope_sin[positions], want[1])
+
+    check(inner)
+    model.to(torch.bfloat16)  # weights cast, the tables remade in fp32
+    check(inner)
+    assert not any("rope" in k for k in model.state_dict())  # never in checkpoints
+    # Built on meta, then weights assigned (as the Hugging Face importer does): the first
+    # forward makes the tables on the tokens' device.
+    with torch.device("meta"):
+        lazy = GPT(model.config)
+    lazy.load_state_dict(model.state_dict(), assign=True)
+    assert lazy.model.rope_cos.is_meta
+    x = tokens(s=8, vocab=c.vocab_size)
+    assert torch.equal(lazy(x)[0], model(x)[0])
+    check(lazy.model)
+    # ... or moved with to_empty, which leaves weights to be filled but the tables made.
+    with torch.device("meta"):
+        empty = GPT(model.config)
+    check(empty.to_empty(device="cpu").model)

@@ -250,6 +250,26 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        # RoPE's cos and sin at every position, in fp32, gathered by each forward. Compiled, a
+        # forward that computes them itself has the powers and sines fused into every kernel
+        # that reads them, recomputed for each of B x H rows, forward and backward. Not saved
+        # (persistent=False) and remade in fp32 after every move or cast (_apply).
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self._make_rope_tables()
+
+    def _make_rope_tables(self, device: torch.device | None = None) -> None:
+        with torch.no_grad():
+            positions = torch.arange(self.config.max_seq_len, device=device or self.rope_cos.device)
+            self.rope_cos, self.rope_sin = rope_cos_sin(positions, self.config.head_size,
+                                                        self.config.rope_theta)
+
+    def _apply(self, fn, recurse: bool = True):
+        if self.rope_cos.is_meta:  # weights assigned to a meta model: nothing to copy here
+            self.rope_cos, self.rope_sin = torch.empty(0), torch.empty(0)
+        super()._apply(fn, recurse)
+        self._make_rope_tables()  # model.to(bf16) must not round them; to_empty fills them
+        return self
 
     def forward(self, idx: Tensor, kv_caches: list[KVCache] | None = None,
                 attention_mask: Tensor | None = None) -> Tensor:
@@ -271,7 +291,9 @@ class Transformer(nn.Module):
             positions = (real_all.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
             mask = padded_causal_mask(real_all, S)
             real = real_all[:, start:]  # the tokens the MoE aux loss balances
-        cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
+        if self.rope_cos.device != idx.device:  # built on meta, weights assigned since
+            self._make_rope_tables(idx.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # = rope_cos_sin's bits
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real)
@@ -286,7 +308,9 @@ class Transformer(nn.Module):
         rows [B] bool: rows marked False run on zero hidden states, which every block maps to
         zero (no biases; RMSNorm, attention, SwiGLU, experts and quantizers keep 0 at 0), so a
         batch padded with such rows quantizes its real rows with the same amaxes."""
-        cos, sin = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta)
+        if self.rope_cos.device != idx.device:  # built on meta, weights assigned since
+            self._make_rope_tables(idx.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # = rope_cos_sin's bits
         x = self.embed_tokens(idx)
         if rows is not None:
             x = torch.where(rows[:, None, None], x, 0)

@@ -82,10 +82,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
 
 def weight_bytes(model: nn.Module, batch: int) -> int:
     """Bytes of weights one decoding step of `batch` rows reads, as `model` stores them: each
-    embedding only its batch rows, each expert stack its expected routed share."""
+    embedding only its batch rows, each expert stack its expected routed share; not the
+    tables a step reads a row of (non-persistent buffers: RoPE's)."""
     total = 0
     for module in model.modules():
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        tensors = [*module.parameters(recurse=False),
+                   *(b for name, b in module.named_buffers(recurse=False)
+                     if name not in module._non_persistent_buffers_set)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if isinstance(module, nn.Embedding):
             nbytes = min(batch, module.num_embeddings) * module.embedding_dim * \

@@ -23,12 +23,22 @@ def _quiet(*_):
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8", "nvfp4", "nvfp4+tis", "w4a16", "nvfp4-token",
-                                  "quads@0.5", "quads@0.125:static", "quads-token@1",
-                                  "nvfp4/qat-w", "w4a16/bf16", "quads@0.25/bf16+tis"])
+                                  "quads@0.5:dynamic", "quads@0.125:static",
+                                  "quads-token@1:dynamic", "nvfp4/qat-w", "w4a16/bf16",
+                                  "quads@0.25:dynamic/bf16+tis"])
 def test_run_name_inverts_parse_run(name):
-    result = {"compensation": 0.05, "compensation_mode": "dynamic", **parse_run(name)}
+    result = {"compensation": 0.05, "compensation_mode": "static", **parse_run(name)}
     assert run_name(result) == name
     assert parse_run(run_name(result)) == parse_run(name)
+
+
+def test_a_quads_name_says_the_mode_its_run_had():
+    # A run asked for without a mode took the config's: its label names it either way, and a
+    # result from before the field existed was dynamic.
+    result = {"compensation": 0.5, **parse_run("quads@0.5")}
+    assert run_name({**result, "compensation_mode": "static"}) == "quads@0.5:static"
+    assert run_name({**result, "compensation_mode": "dynamic"}) == "quads@0.5:dynamic"
+    assert run_name(result) == "quads@0.5:dynamic"
 
 
 def test_arms_trained_apart_make_one_report(tmp_path, capsys):
@@ -42,7 +52,8 @@ def test_arms_trained_apart_make_one_report(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rows = json.loads((out / "rl_compare.json").read_text())
-    assert [(r["run"], r["seed"]) for r in rows] == [("bf16", 0), ("bf16", 1), ("quads@0.5", 0)]
+    assert [(r["run"], r["seed"]) for r in rows] == [("bf16", 0), ("bf16", 1),
+                                                     ("quads@0.5:static", 0)]
     # Found where they are, with the numbers their own comparisons reported.
     assert [r["final_pass_at_1"] for r in rows] == [
         r["final_pass_at_1"] for r in first + second]
@@ -53,10 +64,10 @@ def test_arms_trained_apart_make_one_report(tmp_path, capsys):
         statistics.fmean(r["final_pass_at_1"] for r in first))
     assert summary["bf16"]["pass_at_1_gain"] == pytest.approx(statistics.fmean(
         r["final_pass_at_1"] - r["start_pass_at_1"] for r in first))
-    assert summary["quads@0.5"]["pass_at_1_sd"] is None  # one seed
+    assert summary["quads@0.5:static"]["pass_at_1_sd"] is None  # one seed
     text = (out / "rl_compare.md").read_text()
     assert "Over the seeds:" in text and "| bf16 | 2 | 2 |" in text
-    assert "Not one start" not in text and "| quads@0.5 | 0 | quads | qat-w |" in printed
+    assert "Not one start" not in text and "| quads@0.5:static | 0 | quads | qat-w |" in printed
     pytest.importorskip("matplotlib")
     assert (out / "rl_compare.png").stat().st_size > 0
 

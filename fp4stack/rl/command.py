@@ -63,9 +63,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("--runs", default="bf16,fp8,nvfp4,nvfp4+tis,quads",
-                   help="comma-separated runs, each ROLLOUT[@FRACTION][/TRAINER][+tis], e.g. "
-                        "quads@0.5, w4a16, nvfp4-token/qat-w (default bf16,fp8,nvfp4,nvfp4+tis,"
-                        "quads)")
+                   help="comma-separated runs, each ROLLOUT[@FRACTION][:static|:dynamic]"
+                        "[/TRAINER][+tis], e.g. quads@0.5, quads@0.25:dynamic, w4a16, "
+                        "nvfp4-token/qat-w (default bf16,fp8,nvfp4,nvfp4+tis,quads)")
     p.add_argument("--seeds", help="comma-separated seeds: every run once per seed, each seed "
                                    "from its own SFT start (default: the config's seed)")
     p.add_argument("--sweep", metavar="FIELD=V1,V2,...",

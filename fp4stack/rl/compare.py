@@ -1,18 +1,18 @@
 """`fp4stack rl-compare`: rollout precisions side by side from the same SFT start.
 
-A run is named `ROLLOUT[@FRACTION][:static][/TRAINER][+tis]`: the rollout precision
+A run is named `ROLLOUT[@FRACTION][:static|:dynamic][/TRAINER][+tis]`: the rollout precision
 (rollout.PRECISIONS: bf16, fp8, nvfp4, quads, w4a16, nvfp4-token, quads-token), for quads the
-fraction of channels compensated (default the config's) and `:static` for channels calibrated
-once (config compensation_mode; `:dynamic` picks them per batch), the trainer (default qat-w,
-weights quantized as the rollout's, where the rollout quantizes weights with compensation or
-alone: quads, quads-token, w4a16; else bf16) and token-level truncated importance sampling. So
-bf16, fp8, nvfp4, nvfp4+tis, quads, quads@0.5, quads@0.5:static, w4a16 and nvfp4-token/qat-w
+fraction of channels compensated and `:static` (channels calibrated once) or `:dynamic` (picked
+per batch), by default the config's compensation and compensation_mode; the trainer (default
+qat-w, weights quantized as the rollout's, where the rollout quantizes weights with compensation
+or alone: quads, quads-token, w4a16; else bf16) and token-level truncated importance sampling.
+So bf16, fp8, nvfp4, nvfp4+tis, quads, quads@0.5, quads@0.5:dynamic, w4a16 and nvfp4-token/qat-w
 are all runs. With several seeds each run repeats per seed from that seed's own SFT start
 (out/sft, out/sft-seed<N>); a sweep (`lr=1e-6,3e-6`) repeats each run per value. Writes
 DIR/rl_compare.md (pass@1 at the start and at the end, final reward, k3, mean and max |dlogp|),
-rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step), with a
-table of the means over the seeds when there are several (compare_report.py, which also
-merges the arms of one comparison trained in several sessions: `--report-from`).
+rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step), with a table
+of the means over the seeds when there are several (compare_report.py, which also merges the
+arms of one comparison trained in several sessions: `--report-from`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def parse_run(name: str) -> dict[str, Any]:
 
     m = _RUN.fullmatch(name)
     if m is None:
-        raise ValueError(f"run {name!r} is not ROLLOUT[@FRACTION][:static][/TRAINER][+tis], e.g. "
-                         "quads@0.5, quads@0.5:static or nvfp4/qat-w+tis")
+        raise ValueError(f"run {name!r} is not ROLLOUT[@FRACTION][:static|:dynamic][/TRAINER]"
+                         "[+tis], e.g. quads@0.5, quads@0.5:dynamic or nvfp4/qat-w+tis")
     rollout = m["rollout"]
     if rollout not in PRECISIONS:
         raise ValueError(f"run {name!r}: rollout {rollout!r} is not one of {list(PRECISIONS)}")

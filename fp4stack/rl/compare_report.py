@@ -121,13 +121,13 @@ def write_report(rows: list[dict[str, Any]], out: Path) -> None:
 
 def run_name(result: dict[str, Any]) -> str:
     """The `rl-compare` name of a finished run (compare.parse_run's inverse) from its
-    result.json: e.g. bf16, nvfp4+tis, quads@0.5:static, nvfp4/qat-w."""
+    result.json: e.g. bf16, nvfp4+tis, quads@0.5:static, nvfp4/qat-w. A quads run always
+    names its channel mode, so a label does not depend on the default of the day (runs from
+    before the mode existed were dynamic)."""
     rollout = result["rollout"]
     name = rollout
     if rollout.startswith("quads"):
-        name += f"@{result['compensation']:g}"
-        if result.get("compensation_mode") == "static":
-            name += ":static"
+        name += f"@{result['compensation']:g}:{result.get('compensation_mode', 'dynamic')}"
     if result["trainer"] != default_trainer(rollout):
         name += "/" + result["trainer"]
     if result.get("correction") == "token-tis":

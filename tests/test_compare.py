@@ -80,6 +80,24 @@ def test_finished_runs_are_reused(setup):
     assert again[0].val_loss == first[0].val_loss
 
 
+def test_a_run_of_another_config_is_set_aside_and_trained_again(setup, tmp_path, capsys):
+    config, _ = setup
+    first = run_comparison(config, ["bf16"], tmp_path, log_every=2)
+    result = (Path(first[0].out) / "result.json").read_text()
+    # Logging and checkpoints change nothing the run computes: reused.
+    run_comparison(config, ["bf16"], tmp_path, log_every=3, ckpt_every=2)
+    assert "trained again" not in capsys.readouterr().out
+    assert (Path(first[0].out) / "result.json").read_text() == result
+    # Another lr: the run is moved under .stale (nothing lost) and trained anew with it.
+    again = run_comparison(config, ["bf16"], tmp_path, lr=3e-3)
+    printed = capsys.readouterr().out
+    assert "trained again" in printed and "lr (0.01 -> 0.003)" in printed
+    assert json.loads((Path(again[0].out) / "config.json").read_text())["lr"] == 3e-3
+    assert again[0].val_loss != first[0].val_loss
+    (aside,) = (tmp_path / ".stale").iterdir()
+    assert aside.name.startswith("bf16-s0-") and (aside / "result.json").read_text() == result
+
+
 def test_table_without_baseline_says_na(setup):
     table = format_table([RunRow("nvfp4", 0, 3.0, 100.0, 6, "x")])
     assert "n/a" in table

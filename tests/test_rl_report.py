@@ -122,3 +122,46 @@ def test_rolling_mean_is_the_mean_of_the_window_ending_at_each_step():
     assert rolling_mean(values, 2) == [1.0, 2.0, 4.0, 6.0, 53.5]
     assert rolling_mean(values, 10) == [1.0, 2.0, 3.0, 4.0, 23.2]
     assert rolling_mean([], 3) == []
+
+
+def test_a_finished_run_of_another_config_is_set_aside_and_trained_again(tmp_path):
+    out, lines = tmp_path / "cmp", []
+    first = run_rl_comparison(_tiny(compensation=0.25), ["quads", "bf16"], out,
+                              log=lines.append, verbose=False)
+    bf16_result = (out / "bf16" / "result.json").read_text()
+    # The same config again: both runs are reused as they are.
+    again = run_rl_comparison(_tiny(compensation=0.25), ["quads", "bf16"], out,
+                              log=lines.append, verbose=False)
+    assert [r["final_pass_at_1"] for r in again] == [r["final_pass_at_1"] for r in first]
+    assert not any("trained again" in line for line in lines)
+    # Another share: the finished quads run is moved aside, not reused, and trained anew.
+    run_rl_comparison(_tiny(compensation=0.5), ["quads", "bf16"], out, log=lines.append,
+                      verbose=False)
+    # The bf16 run reads no compensation field: it is reused.
+    moved = [line for line in lines if "trained again" in line]
+    assert len(moved) == 1 and "quads" in moved[0]
+    assert "compensation (0.25 -> 0.5)" in moved[0]
+    assert json.loads((out / "quads" / "config.json").read_text())["compensation"] == 0.5
+    assert (out / "bf16" / "result.json").read_text() == bf16_result
+    stale = sorted((out / ".stale").iterdir())
+    assert [p.name.rsplit("-", 2)[0] for p in stale] == ["quads"]
+    old = json.loads((stale[0] / "result.json").read_text())  # nothing lost
+    assert old["final_pass_at_1"] == first[0]["final_pass_at_1"]
+    # A field every run reads sets both aside.
+    lines.clear()
+    run_rl_comparison(_tiny(compensation=0.5, lr=2e-4), ["quads", "bf16"], out,
+                      log=lines.append, verbose=False)
+    assert sum("trained again" in line for line in lines) == 2
+    # A report of the comparison holds the current runs only.
+    rows = collect_rows([out])
+    assert sorted(r["run"] for r in rows) == ["bf16", "quads@0.5:static"]
+
+
+def test_a_config_without_a_field_is_read_at_the_default_of_its_time(tmp_path):
+    from fp4stack.rl.compare_report import saved_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"rollout": "quads", "lr": 1e-5}))
+    saved = saved_config(tmp_path)
+    assert (saved["compensation"], saved["compensation_mode"]) == (0.05, "dynamic")
+    assert saved["lr"] == 1e-5 and saved["steps"] == RLConfig().steps
+    assert saved_config(tmp_path / "missing") == {}

@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..finished_runs import changed_fields, set_aside
 from ..parallel_runs import LOG_NAME, Job, run_jobs
-from .compare_report import write_report
+from .compare_report import saved_config, write_report
 from .config import RUN_FIELDS, RLConfig, default_trainer
 from .start import warm_up_policy
 from .trainer import run_rl
@@ -108,13 +109,28 @@ def parse_sweep(text: str, cfg: RLConfig) -> tuple[str, list[tuple[str, Any]]]:
     return field_name, parsed
 
 
+# Fields that do not change what a finished run computed; and those only a quads rollout reads.
+_NOT_COMPARED = ("out", "device", "max_minutes")
+_QUADS_ONLY = ("compensation", "compensation_mode", "calibration_size")
+
+
+def stale_fields(run_dir: Path, cfg: RLConfig) -> list[str]:
+    """The fields, as "name (saved -> now)", in which the run in run_dir was trained with
+    another value than cfg has ([] when they agree, or when it has no config.json)."""
+    saved = saved_config(run_dir)
+    ignored = _NOT_COMPARED + (() if cfg.rollout.startswith("quads") else _QUADS_ONLY)
+    return changed_fields(saved, cfg.to_dict(), ignored) if saved else []
+
+
 def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
                       log: Callable[[str], None] = print, verbose: bool = True,
                       seeds: list[int] | None = None, jobs: int = 1,
                       sweep: str | None = None) -> list[dict[str, Any]]:
     """Train each named run (see the module doc) from `cfg` (same task and SFT start) into
     out/<name>, or out/<name>/seed<N> for each of several `seeds` (default: the config's); a
-    finished run (result.json present) is reused.
+    finished run (result.json present) is reused when its config.json agrees with the run's
+    config; one trained with other values (a changed config or default) is moved under
+    out/.stale/ and trained again, with a line to `log` naming the fields.
 
     sweep: `FIELD=V1,V2,...` (parse_sweep) repeats every run once per value, as run
     "<name> FIELD=V" in out/<name>-FIELD<V>, all from the same SFT start: e.g. the lr of the
@@ -143,9 +159,14 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
         for name, dirname, overrides in variants:
             run_dir = out / dirname if len(seeds) == 1 else out / dirname / f"seed{seed}"
             planned.append((name, seed, run_dir))
-            if (run_dir / "result.json").exists():
-                continue
             run_cfg = cfg.with_overrides(**overrides, seed=seed, out=str(run_dir))
+            if (run_dir / "result.json").exists():
+                changed = stale_fields(run_dir, run_cfg)
+                if not changed:
+                    continue  # finished with this very config: reused
+                aside = set_aside(run_dir, out)
+                log(f"{run_dir}: its finished run differs from this config in "
+                    f"{', '.join(changed)}: trained again (the old run is now in {aside})")
             label = name if len(seeds) == 1 else f"{name} seed {seed}"
             if jobs > 1:  # each seed's SFT start first, then the runs side by side
                 warm_ups.setdefault(seed, Job(f"SFT warm-up, seed {seed}", warm_up_policy,

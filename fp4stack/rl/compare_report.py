@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import make_output_dir
+from ..finished_runs import STALE_DIR
 from ..train.metrics import read_metrics
 from .config import RUN_FIELDS, RLConfig, default_trainer
 
@@ -137,6 +138,17 @@ def run_name(result: dict[str, Any]) -> str:
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RLConfig)
              if f.default is not dataclasses.MISSING}
+# Defaults that have changed: a config.json without the field was written under the old one.
+_FORMER_DEFAULTS = {"compensation": 0.05, "compensation_mode": "dynamic"}  # until 2026-12-07
+
+
+def saved_config(run_dir: Path) -> dict[str, Any]:
+    """The config a finished run in run_dir was trained with, every field filled in (one its
+    version of fp4stack did not have is at the default of the time); {} without config.json."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        return {}
+    return {**_DEFAULTS, **_FORMER_DEFAULTS, **json.loads(path.read_text())}
 
 
 def _scalar(v: Any) -> bool:
@@ -152,11 +164,9 @@ def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
         if not Path(d).is_dir():
             raise FileNotFoundError(f"report: {d} is not a directory")
         for path in sorted(Path(d).rglob(RESULT_FILE)):
-            config = path.parent / CONFIG_FILE
-            cfg = json.loads(config.read_text()) if config.exists() else {}
-            # A field the run's version of fp4stack did not have is at its default.
-            cfg = {**_DEFAULTS, **cfg} if cfg else cfg
-            found.append((json.loads(path.read_text()), cfg, path.parent))
+            if STALE_DIR in path.relative_to(d).parts:
+                continue
+            found.append((json.loads(path.read_text()), saved_config(path.parent), path.parent))
     if not found:
         raise FileNotFoundError(f"report: no finished run ({RESULT_FILE}) under "
                                 f"{', '.join(map(str, dirs))}")

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..files import make_output_dir
+from ..finished_runs import changed_fields, set_aside
 from ..nn.recipe import recipe as get_recipe
 from ..parallel_runs import LOG_NAME, Job, run_jobs
 from .checkpoint import latest_checkpoint
-from .config import load_config, recipe_arg
+from .config import PretrainConfig, load_config, recipe_arg
 from .metrics import read_metrics
 from .trainer import train
 
@@ -48,11 +49,13 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     A run is a recipe name, a YAML file holding a recipe mapping (fp4stack.nn.recipe_mapping;
     the run is named by the mapping's name), or either with "+optimizer" (e.g. "bf16+adamw4") to
     change the config's optimizer. Each run writes to out/<run>-s<seed>; a finished run (its
-    result.json present) is reused and an interrupted one resumes from its last checkpoint, so an
-    interrupted comparison picks up where it stopped. train_missing=False reports on the
-    finished runs only and trains nothing. verbose: each quantized run lists every module
-    it converted or kept, not only the counts. jobs > 1 trains that many runs at once, each in
-    its own process writing its output to <run>/run.log (`parallel_runs`).
+    result.json present) is reused and an interrupted one resumes from its last checkpoint, so
+    an interrupted comparison picks up where it stopped; a run trained with another config (its
+    config.json) is moved under out/.stale/ and trained again (finished_runs).
+    train_missing=False reports on the finished runs only and trains nothing. verbose: each
+    quantized run lists every module it converted or kept, not only the counts. jobs > 1 trains
+    that many runs at once, each in its own process writing its output to <run>/run.log
+    (`parallel_runs`).
     """
     if jobs < 1:
         raise ValueError(f"jobs (--jobs) must be >= 1, got {jobs}")
@@ -65,10 +68,15 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     dirs = [(runs[entry][0], s, out / f"{runs[entry][0]}-s{s}") for entry, s in plan]
     pending = []
     for (entry, s), (label, _, run_dir) in zip(plan, dirs, strict=True):
+        _, recipe, optimizer = runs[entry]
+        cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir), optimizer=optimizer,
+                          **overrides)
+        changed = stale_fields(run_dir, cfg)
+        if changed and train_missing:
+            aside = set_aside(run_dir, out)
+            print(f"{run_dir}: its run was trained with {', '.join(changed)}: trained again "
+                  f"(the old run is now in {aside})", flush=True)
         if train_missing and not (run_dir / "result.json").exists():
-            _, recipe, optimizer = runs[entry]
-            cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir),
-                              optimizer=optimizer, **overrides)
             pending.append(Job(f"{label}-s{s}", train, dict(
                 cfg=cfg, resume=latest_checkpoint(run_dir) is not None, verbose=verbose),
                 run_dir / LOG_NAME))
@@ -91,6 +99,20 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
         raise FileNotFoundError(f"no finished runs in {out} (train_missing=False trains none)")
     write_report(rows, out)
     return rows
+
+
+# Fields that change nothing a run computes (where it writes, what it logs, when it saves).
+_NOT_COMPARED = ("out", "device", "log_every", "ckpt_every")
+
+
+def stale_fields(run_dir: Path, cfg: PretrainConfig) -> list[str]:
+    """The fields, as "name (saved -> now)", in which the run (finished or interrupted) in
+    run_dir was trained with another value than cfg has; [] without its config.json."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return []
+    saved = {**PretrainConfig().to_dict(), **json.loads(path.read_text())}
+    return changed_fields(saved, cfg.to_dict(), _NOT_COMPARED)
 
 
 def run_entry(entry: str) -> tuple[str, str | dict, str | None]:

@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     "device": 0,
     "config_fields": 0,
     "files": 0,
+    "finished_runs": 0,
     "parallel_runs": 0,
     "kernels": 1,
     "api": 2,

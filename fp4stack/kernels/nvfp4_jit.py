@@ -262,16 +262,17 @@ def quad_step(t, N: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def sq_error(lo, hi, code_lo, code_hi, scale_bits, dec, IS_2D: tl.constexpr):
-    """Sum of (x_hat - x)^2 per block (1x16) or per 16x16 tile (repeated on its rows), in the
-    reference's fixed order: pairwise in a block; a transpose-invariant quadtree in a tile."""
+def sq_error(lo, hi, val_lo, val_hi, scale_bits, dec, IS_2D: tl.constexpr):
+    """Sum of (x_hat - x)^2 per block (1x16) or per 16x16 tile (repeated on its rows), x_hat
+    from the E2M1 values val (float32) and the scales, in the reference's fixed order: pairwise
+    in a block; a transpose-invariant quadtree in a tile."""
     BM: tl.constexpr = lo.shape[0]
     KB: tl.constexpr = lo.shape[1]
     # (value * scale) * D, in the reference's order: value * scale is exact, and only then the
     # one rounding of the product with D (value * (scale * D) rounds twice for 1.5, 3 and 6).
     s = e4m3_value(scale_bits)[:, :, None]
-    err_lo = e2m1_value(code_lo) * s * dec - lo
-    err_hi = e2m1_value(code_hi) * s * dec - hi
+    err_lo = val_lo * s * dec - lo
+    err_hi = val_hi * s * dec - hi
     if IS_2D:
         t_lo = tl.reshape(err_lo * err_lo, (BM // 16, 16, KB, 8))
         t_hi = tl.reshape(err_hi * err_hi, (BM // 16, 16, KB, 8))
@@ -289,6 +290,27 @@ def sq_error(lo, hi, code_lo, code_hi, scale_bits, dec, IS_2D: tl.constexpr):
         return tl.reshape(tl.broadcast_to(tile[:, None, :], (BM // 16, 16, KB)), (BM, KB))
     else:
         return pair_sum8(err_lo * err_lo) + pair_sum8(err_hi * err_hi)
+
+
+@triton.jit
+def four_over_six_values(lo, hi, bmax, s_enc, s_dec, dec, IS_2D: tl.constexpr):
+    """Four Over Six with round to nearest, as values: (scale bits, values lo, values hi) of the
+    candidate scale that maps each block's (or 16x16 tile's) maximum to 4 where its squared
+    error is lower than the one mapping it to 6 (ties: 6). The values come straight from the
+    rounding (`e2m1_rne_value`), with no codes in between: the fake-quantize path."""
+    sbits = block_scale_bits(bmax, s_enc, 1.0 / 6.0)
+    enc = encode_factor(sbits, s_dec)[:, :, None]
+    v_lo = e2m1_rne_value(lo * enc)
+    v_hi = e2m1_rne_value(hi * enc)
+    sbits4 = block_scale_bits(bmax, s_enc, 0.25)
+    enc4 = encode_factor(sbits4, s_dec)[:, :, None]
+    v4_lo = e2m1_rne_value(lo * enc4)
+    v4_hi = e2m1_rne_value(hi * enc4)
+    use4 = (sq_error(lo, hi, v4_lo, v4_hi, sbits4, dec, IS_2D)
+            < sq_error(lo, hi, v_lo, v_hi, sbits, dec, IS_2D))
+    pick = use4[:, :, None]
+    return (tl.where(use4, sbits4, sbits), tl.where(pick, v4_lo, v_lo),
+            tl.where(pick, v4_hi, v_hi))
 
 
 @triton.jit

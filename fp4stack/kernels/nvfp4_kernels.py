@@ -16,6 +16,7 @@ from .nvfp4_jit import (
     e2m1_value,
     e4m3_value,
     encode_factor,
+    four_over_six_values,
     global_decode,
     global_scales,
     load_halves,
@@ -233,13 +234,18 @@ def store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scal
         u_lo = uniform(index, k1.to(tl.uint32), k2.to(tl.uint32))
         u_hi = uniform(index + 8, k1.to(tl.uint32), k2.to(tl.uint32))
 
-    sbits = block_scale_bits(bmax, s_enc, 1.0 / 6.0)
-    enc = encode_factor(sbits, s_dec)[:, :, None]
-    if FAKE and not STOCHASTIC and not FOUR_OVER_SIX:
-        # Hot path of fake quantization: the rounded values, without going through codes.
-        val_lo = e2m1_rne_value(lo * enc)
-        val_hi = e2m1_rne_value(hi * enc)
+    if FAKE and not STOCHASTIC:
+        # Hot paths of fake quantization: the rounded values, without going through codes.
+        if FOUR_OVER_SIX:
+            sbits, val_lo, val_hi = four_over_six_values(lo, hi, bmax, s_enc, s_dec, dec, IS_2D)
+        else:
+            sbits = block_scale_bits(bmax, s_enc, 1.0 / 6.0)
+            enc = encode_factor(sbits, s_dec)[:, :, None]
+            val_lo = e2m1_rne_value(lo * enc)
+            val_hi = e2m1_rne_value(hi * enc)
     else:
+        sbits = block_scale_bits(bmax, s_enc, 1.0 / 6.0)
+        enc = encode_factor(sbits, s_dec)[:, :, None]
         code_lo = round_half(lo * enc, u_lo, STOCHASTIC)
         code_hi = round_half(hi * enc, u_hi, STOCHASTIC)
         if FOUR_OVER_SIX:
@@ -247,8 +253,10 @@ def store_quantized(lo, hi, amax, b, rows, kbs, M, K, KP, k1, k2, data_ptr, scal
             enc4 = encode_factor(sbits4, s_dec)[:, :, None]
             code4_lo = round_half(lo * enc4, u_lo, STOCHASTIC)
             code4_hi = round_half(hi * enc4, u_hi, STOCHASTIC)
-            err4 = sq_error(lo, hi, code4_lo, code4_hi, sbits4, dec, IS_2D)
-            use4 = err4 < sq_error(lo, hi, code_lo, code_hi, sbits, dec, IS_2D)
+            err4 = sq_error(lo, hi, e2m1_value(code4_lo), e2m1_value(code4_hi), sbits4, dec,
+                            IS_2D)
+            use4 = err4 < sq_error(lo, hi, e2m1_value(code_lo), e2m1_value(code_hi), sbits,
+                                   dec, IS_2D)
             sbits = tl.where(use4, sbits4, sbits)
             code_lo = tl.where(use4[:, :, None], code4_lo, code_lo)
             code_hi = tl.where(use4[:, :, None], code4_hi, code_hi)

@@ -17,15 +17,13 @@ from .nvfp4_jit import (
     block_amax,
     block_scale_bits,
     cast_rne,
-    e2m1_rne,
     e2m1_rne_value,
-    e2m1_value,
     e4m3_value,
     encode_factor,
+    four_over_six_values,
     global_decode,
     global_scales,
     load_halves,
-    sq_error,
 )
 
 # The decode's two constant factors: (code bits * 2**-126) * (scale * 2**117) is the exact
@@ -277,22 +275,13 @@ def fake_quantize_halves(lo, hi, amax, FOUR_OVER_SIX: tl.constexpr, SCALE_MAX: t
     FAKE, before the cast to the output dtype."""
     s_enc, s_dec = global_scales(amax, SCALE_MAX)
     bmax = block_amax(lo, hi)
-    sbits = block_scale_bits(bmax, s_enc[:, None], 1.0 / 6.0)
-    enc = encode_factor(sbits, s_dec[:, None])[:, :, None]
     dec = global_decode(amax, SCALE_MAX)[:, None, None]
     if FOUR_OVER_SIX:
-        code_lo = e2m1_rne(lo * enc)
-        code_hi = e2m1_rne(hi * enc)
-        sbits4 = block_scale_bits(bmax, s_enc[:, None], 0.25)
-        enc4 = encode_factor(sbits4, s_dec[:, None])[:, :, None]
-        code4_lo = e2m1_rne(lo * enc4)
-        code4_hi = e2m1_rne(hi * enc4)
-        err4 = sq_error(lo, hi, code4_lo, code4_hi, sbits4, dec, False)
-        use4 = err4 < sq_error(lo, hi, code_lo, code_hi, sbits, dec, False)
-        sbits = tl.where(use4, sbits4, sbits)
-        val_lo = e2m1_value(tl.where(use4[:, :, None], code4_lo, code_lo))
-        val_hi = e2m1_value(tl.where(use4[:, :, None], code4_hi, code_hi))
+        sbits, val_lo, val_hi = four_over_six_values(lo, hi, bmax, s_enc[:, None],
+                                                     s_dec[:, None], dec, False)
     else:
+        sbits = block_scale_bits(bmax, s_enc[:, None], 1.0 / 6.0)
+        enc = encode_factor(sbits, s_dec[:, None])[:, :, None]
         val_lo = e2m1_rne_value(lo * enc)
         val_hi = e2m1_rne_value(hi * enc)
     s = e4m3_value(sbits)[:, :, None]

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from claims_table import format_claims
+
 from fp4stack.train.compare import RunRow, gap_standard_error
 
 # The paper's numbers: gaps of the validation loss to BF16, in %.
@@ -107,14 +109,6 @@ def claims(rows: list[RunRow], names: dict[str, str] | None = None,
                         "here": f"{_fmt(gap(rows, n[key]))} -> {_fmt(gap(larger, n[key]))}",
                         "holds": big < small})
     return out
-
-
-def format_claims(table: list[dict[str, Any]]) -> str:
-    verdict = {True: "yes", False: "no", None: "-"}
-    lines = ["| claim | paper | fp4stack | holds here |", "|---|---|---|---|"]
-    lines += [f"| {c['claim']} | {c['paper']} | {c['here']} | {verdict[c['holds']]} |"
-              for c in table]
-    return "\n".join(lines)
 
 
 def load(path: Path) -> list[RunRow]:

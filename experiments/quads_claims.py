@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from claims_table import format_claims
+
 from fp4stack.rl.compare_report import seed_summary
 
 # The paper's numbers (average pass@1 in points, mismatch as the mean per-step max |dlogp|).
@@ -58,13 +60,6 @@ def claims(rows: list[dict[str, Any]], quads: str | None = None) -> list[dict[st
         {"claim": "QUADS's mean k3 at least 3x below naive's", "paper": "not reported",
          "here": f"{k3_ratio:.2f}x below", "holds": k3_ratio >= 3},
     ]
-
-
-def format_claims(table: list[dict[str, Any]]) -> str:
-    lines = ["| claim | paper | fp4stack | holds here |", "|---|---|---|---|"]
-    lines += [f"| {c['claim']} | {c['paper']} | {c['here']} | {'yes' if c['holds'] else 'no'} |"
-              for c in table]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,7 @@ def quantize_energy_kernel(x_ptr, amax_ptr, rows_ptr, tiles_ptr, q_ptr, sums_ptr
             rows = slot
         ok = rows < R
         src = tl.where(ok, rows // DIV, sources)  # padding reads nothing
+        # Batch index 0, as a tensor (load_halves casts it); program_id(2) splits the rows.
         lo, hi, mask_lo, mask_hi = load_halves(x_ptr, g * 0, src, kbs, sources, K,
                                                0, sxm, 1, False, 0)
         if AMAX_HERE:

@@ -68,15 +68,17 @@ def run_comparison(config: str | os.PathLike, recipes: list[str], out: str | os.
     dirs = [(runs[entry][0], s, out / f"{runs[entry][0]}-s{s}") for entry, s in plan]
     pending = []
     for (entry, s), (label, _, run_dir) in zip(plan, dirs, strict=True):
+        if not train_missing:
+            continue
         _, recipe, optimizer = runs[entry]
         cfg = load_config(config, recipe=recipe, seed=s, out=str(run_dir), optimizer=optimizer,
                           **overrides)
         changed = stale_fields(run_dir, cfg)
-        if changed and train_missing:
+        if changed:
             aside = set_aside(run_dir, out)
             print(f"{run_dir}: its run was trained with {', '.join(changed)}: trained again "
                   f"(the old run is now in {aside})", flush=True)
-        if train_missing and not (run_dir / "result.json").exists():
+        if not (run_dir / "result.json").exists():
             pending.append(Job(f"{label}-s{s}", train, dict(
                 cfg=cfg, resume=latest_checkpoint(run_dir) is not None, verbose=verbose),
                 run_dir / LOG_NAME))

@@ -5,7 +5,8 @@ Reads the rl_compare.json of a comparison (one `rl-compare`, or several merged w
 2607.15810, as docs/results/rl.md quotes them) beside this comparison's numbers, each with
 whether it holds here. The runs it looks for are named as rl-compare names them: bf16, nvfp4,
 and the QUADS arm given by --quads (default: of the quads@F runs, the one whose mean final
-pass@1 over its seeds is highest).
+pass@1 over its seeds is highest); with quads@F runs at two or more ratios, also whether the
+mismatch falls as the ratio grows, as the paper's ratio sweep found.
 
     python experiments/quads_claims.py runs/rl-compare/all/rl_compare.json [--quads quads@0.5]
 """
@@ -20,11 +21,43 @@ from typing import Any
 
 from claims_table import format_claims
 
+from fp4stack.rl.compare import parse_run
 from fp4stack.rl.compare_report import seed_summary
 
 # The paper's numbers (average pass@1 in points, mismatch as the mean per-step max |dlogp|).
 PAPER = {"bf16_pass": 73.15, "naive_pass": 51.37, "quads_pass": 72.86,
          "floor_dlogp": 0.74, "quads_dlogp": 0.86, "naive_dlogp": 1.3}
+# The paper's max |dlogp| gap per compensated-channel ratio.
+PAPER_RATIOS = {0.125: 0.923, 0.25: 0.901, 0.5: 0.854, 0.75: 0.812, 1.0: 0.759}
+
+
+def ratio_claim(summary: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Whether the mean per-step max |dlogp| falls as the compensated ratio grows, over the
+    quads@F runs of the compensation mode with the most ratios (plain W4A4 QUADS: no per-token
+    scales, the default trainer); None with fewer than two ratios."""
+    families: dict[str, dict[float, float]] = {}
+    for name, s in summary.items():
+        try:
+            o = parse_run(name)
+        except ValueError:
+            continue
+        if o["rollout"] != "quads" or "compensation" not in o or o["correction"] != "none":
+            continue
+        mode = o.get("compensation_mode", "default")
+        families.setdefault(mode, {})[o["compensation"]] = s["dlogp_max_mean"]
+    if not families:
+        return None
+    mode, gaps = max(families.items(), key=lambda kv: len(kv[1]))
+    if len(gaps) < 2:
+        return None
+    ratios = sorted(gaps)
+    values = [gaps[r] for r in ratios]
+    paper = [f"{PAPER_RATIOS[r]}" if r in PAPER_RATIOS else "?" for r in ratios]
+    return {"claim": "max abs dlogp falls as the compensated ratio grows ("
+                     + " / ".join(f"{100 * r:g}%" for r in ratios) + f", {mode})",
+            "paper": " > ".join(paper),
+            "here": " > ".join(f"{v:.3f}" for v in values),
+            "holds": all(a > b for a, b in zip(values, values[1:], strict=False))}
 
 
 def claims(rows: list[dict[str, Any]], quads: str | None = None) -> list[dict[str, Any]]:
@@ -59,6 +92,7 @@ def claims(rows: list[dict[str, Any]], quads: str | None = None) -> list[dict[st
          "holds": order[0] < order[1] < order[2]},
         {"claim": "QUADS's mean k3 at least 3x below naive's", "paper": "not reported",
          "here": f"{k3_ratio:.2f}x below", "holds": k3_ratio >= 3},
+        *([ratios] if (ratios := ratio_claim(summary)) else []),
     ]
 
 

@@ -20,17 +20,35 @@ ROWS = [row("bf16", 0, 0.40, 0.60, 0.0, 0.70), row("bf16", 1, 0.40, 0.64, 0.0, 0
 
 def test_claims_average_the_seeds_and_pick_the_best_quads_arm():
     table = quads_claims.claims(ROWS)
-    assert [c["holds"] for c in table] == [True, True, True, True]
+    assert [c["holds"] for c in table] == [True, True, True, True, True]
     assert table[0]["here"] == "9.0 points below"  # (0.62 - 0.53) over the two seeds
     assert table[1]["claim"].startswith("quads@0.5 ")  # 0.615 beats quads@0.25's 0.55
     assert table[1]["here"] == "0.5 points below"
     assert table[2]["here"] == "0.710 < 0.900 < 1.250"
     assert table[3]["here"] == "4.00x below"  # mean k3 0.8 against 0.2
+    assert table[4]["claim"].startswith("max abs dlogp falls as the compensated ratio grows "
+                                        "(25% / 50%")
+    assert (table[4]["paper"], table[4]["here"]) == ("0.901 > 0.854", "1.000 > 0.900")
+
+
+def test_the_ratio_claim_takes_the_mode_with_most_ratios_and_can_fail():
+    rows = [*ROWS, row("quads@0.125:static", 0, 0.4, 0.5, 0.5, 2.0),
+            row("quads@0.5:static", 0, 0.4, 0.5, 0.5, 2.5),
+            row("quads@1:static", 0, 0.4, 0.5, 0.5, 1.5),
+            row("quads-token@0.25:static", 0, 0.4, 0.5, 0.5, 0.1),  # per-token: another method
+            row("quads@0.25:static+tis", 0, 0.4, 0.5, 0.5, 0.1)]  # a correction: left out
+    ratios = quads_claims.claims(rows)[4]
+    assert ratios["claim"].endswith("(12.5% / 50% / 100%, static)")
+    assert ratios["here"] == "2.000 > 2.500 > 1.500"
+    assert ratios["paper"] == "0.923 > 0.854 > 0.759"
+    assert ratios["holds"] is False
+    one_ratio = [r for r in ROWS if r["run"] != "quads@0.25"]
+    assert len(quads_claims.claims(one_ratio)) == 4  # no ratio claim from one ratio
 
 
 def test_a_named_arm_and_claims_that_fail():
     table = quads_claims.claims(ROWS, quads="quads@0.25")
-    assert [c["holds"] for c in table] == [True, False, True, False]
+    assert [c["holds"] for c in table] == [True, False, True, False, True]
     assert table[1]["here"] == "7.0 points below"
 
 

@@ -195,17 +195,22 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """k3 and max |dlogp| per step (log scale; faint, with their running mean) and reward per
-    step (pass@1 as markers), one colour per run (its seeds in that colour)."""
+    step (faint) under pass@1, one colour per run (its seeds in that colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (kx, dx, rx) = plt.subplots(1, 3, figsize=(18, 4.5))
-    colours: dict[str, str] = {}
+    names = list(dict.fromkeys(r["run"] for r in rows))
+    # Up to 10 runs take matplotlib's default cycle, more the 20 of tab20: no two runs alike.
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
+    colours = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    labelled: set[str] = set()
     for r in rows:
-        label = r["run"] if r["run"] not in colours else None  # a run's seeds share one entry
-        colour = colours.setdefault(r["run"], f"C{len(colours) % 10}")
+        label = r["run"] if r["run"] not in labelled else None  # a run's seeds share one entry
+        labelled.add(r["run"])
+        colour = colours[r["run"]]
         records = read_metrics(r["out"])
         metrics = [m for m in records if "k3" in m]
         steps = [m["step"] for m in metrics]
@@ -213,16 +218,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             values = [max(float(m[key]), 1e-12) for m in metrics]
             ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
             ax.plot(steps, rolling_mean(values, SMOOTH_STEPS), color=colour, label=label)
-        rx.plot(steps, [m["reward"] for m in metrics], color=colour, alpha=0.6, label=label)
+        rewards = rolling_mean([m["reward"] for m in metrics], SMOOTH_STEPS)
+        rx.plot(steps, rewards, color=colour, alpha=0.3, linewidth=0.8)
         evals = [(m["step"], m["pass_at_1"]) for m in records if "pass_at_1" in m]
         if evals:
-            rx.plot(*zip(*evals, strict=True), "o--", color=colour, markersize=4)
+            rx.plot(*zip(*evals, strict=True), "o-", color=colour, markersize=3, label=label)
     kx.set_yscale("log")
     dx.set_yscale("log")
     kx.set_title(f"trainer-rollout mismatch k3 per step (0 drawn at 1e-12; "
                  f"{SMOOTH_STEPS}-step mean)")
     dx.set_title(f"max |log p_train - log p_rollout| per step ({SMOOTH_STEPS}-step mean)")
-    rx.set_title("reward per step (line), greedy pass@1 (markers)")
+    rx.set_title(f"greedy pass@1 (markers), reward ({SMOOTH_STEPS}-step mean, faint)")
     for ax in (kx, dx, rx):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

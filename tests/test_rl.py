@@ -245,11 +245,16 @@ def test_rl_compare_table_from_one_start(tmp_path):
     cfg = tiny_config(tmp_path, steps=2, eval_every=0)
     said = []
     rows = run_rl_comparison(cfg, ["bf16", "quads"], tmp_path / "cmp", log=said.append)
-    assert [r["run"] for r in rows] == ["bf16", "quads"] and rows[0]["k3_max"] == 0.0
+    # A run is reported by its full name: a quads run with the share and mode it ran at.
+    assert [r["run"] for r in rows] == ["bf16", "quads@0.5:static"] and rows[0]["k3_max"] == 0.0
     cached = tmp_path / "cmp" / "sft" / SFT_FILE
     assert [s for s in said if s.startswith("policy:")] == [
         f"policy: loaded the SFT warm-up from {cached}"]  # the second run reuses the first's
-    assert "| quads | 0 | quads | qat-w |" in (tmp_path / "cmp" / "rl_compare.md").read_text()
+    table = (tmp_path / "cmp" / "rl_compare.md").read_text()
+    assert "| quads@0.5:static | 0 | quads | qat-w |" in table
+    assert (tmp_path / "cmp" / "quads" / "result.json").exists()  # its directory as typed
+    with pytest.raises(ValueError, match="name the same run twice"):
+        run_rl_comparison(cfg, ["quads", "quads@0.5:static"], tmp_path / "cmp")
 
 
 def test_the_sft_warm_up_is_reused_only_for_the_inputs_that_made_it(tmp_path):
@@ -409,7 +414,8 @@ def test_rl_compare_seeds_and_compensation_fractions(tmp_path):
     rows = run_rl_comparison(cfg, ["quads@0.25", "quads@1.0"], out, log=lambda *a: None,
                              seeds=[0, 1])
     assert [(r["run"], r["seed"]) for r in rows] == [
-        ("quads@0.25", 0), ("quads@1.0", 0), ("quads@0.25", 1), ("quads@1.0", 1)]
+        ("quads@0.25:static", 0), ("quads@1:static", 0), ("quads@0.25:static", 1),
+        ("quads@1:static", 1)]
     assert [r["compensation"] for r in rows] == [0.25, 1.0, 0.25, 1.0]
     assert (out / "sft" / SFT_FILE).exists() and (out / "sft-seed1" / SFT_FILE).exists()
     assert (out / "quads@1.0" / "seed1" / "result.json").exists()
@@ -419,7 +425,7 @@ def test_rl_compare_seeds_and_compensation_fractions(tmp_path):
     assert all(r["dlogp_max_mean"] > 1e-3 for r in rows[::2])
     assert all(r["start_pass_at_1"] is not None for r in rows)
     table = (out / "rl_compare.md").read_text()
-    assert "| quads@0.25 | 1 | quads | qat-w |" in table and "mean max abs dlogp" in table
+    assert "| quads@0.25:static | 1 | quads | qat-w |" in table and "mean max abs dlogp" in table
 
 
 def test_split_upcycle_config_builds_a_policy_of_mlp_slices():

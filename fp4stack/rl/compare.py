@@ -7,12 +7,14 @@ per batch), by default the config's compensation and compensation_mode; the trai
 qat-w, weights quantized as the rollout's, where the rollout quantizes weights with compensation
 or alone: quads, quads-token, w4a16; else bf16) and token-level truncated importance sampling.
 So bf16, fp8, nvfp4, nvfp4+tis, quads, quads@0.5, quads@0.5:dynamic, w4a16 and nvfp4-token/qat-w
-are all runs. With several seeds each run repeats per seed from that seed's own SFT start
-(out/sft, out/sft-seed<N>); a sweep (`lr=1e-6,3e-6`) repeats each run per value. Writes
-DIR/rl_compare.md (pass@1 at the start and at the end, final reward, k3, mean and max |dlogp|),
-rl_compare.json and rl_compare.png (k3, max |dlogp| and reward / pass@1 per step), with a table
-of the means over the seeds when there are several (compare_report.py, which also merges the
-arms of one comparison trained in several sessions: `--report-from`).
+are all runs. A run trains in out/<name as typed>; reports name it in full (`quads` is
+quads@0.5:static under the default config), as `--report-from` does. With several seeds each
+run repeats per seed from that seed's own SFT start (out/sft, out/sft-seed<N>); a sweep
+(`lr=1e-6,3e-6`) repeats each run per value. Writes DIR/rl_compare.md (pass@1 at the start and
+at the end, final reward, k3, mean and max |dlogp|), rl_compare.json and rl_compare.png (k3,
+max |dlogp|, pass@1 and reward per step), with a table of the means over the seeds when there
+are several (compare_report.py, which also merges the arms of one comparison trained in
+several sessions: `--report-from`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from ..finished_runs import changed_fields, set_aside
 from ..parallel_runs import LOG_NAME, Job, run_jobs
-from .compare_report import saved_config, write_report
+from .compare_report import run_name, saved_config, write_report
 from .config import RUN_FIELDS, RLConfig, default_trainer
 from .start import warm_up_policy
 from .trainer import run_rl
@@ -145,7 +147,10 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
     if jobs < 1:
         raise ValueError(f"jobs (--jobs) must be >= 1, got {jobs}")
     # (label, directory name, overrides) per run and swept value; every name checked first.
-    variants = [(name, name, parse_run(name)) for name in runs]
+    # The label is the run's full name (a quads run with its share and mode, as the config
+    # fills them in), as `--report-from` names it; the directory keeps the name as typed.
+    variants = [(run_name(cfg.with_overrides(**o).to_dict()), name, o)
+                for name, o in ((name, parse_run(name)) for name in runs)]
     if sweep is not None:
         field_name, values = parse_sweep(sweep, cfg)
         variants = [(f"{label} {field_name}={raw}", f"{dirname}-{field_name}{raw}",
@@ -153,6 +158,9 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
                     for label, dirname, overrides in variants for raw, value in values]
     seeds = list(seeds) if seeds else [cfg.seed]
     out = Path(out)
+    labels = [label for label, _, _ in variants]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"runs {runs} name the same run twice ({labels}): drop the repeat")
     planned, warm_ups, pending = [], {}, []
     for seed in seeds:
         sft = out / ("sft" if seed == cfg.seed else f"sft-seed{seed}")

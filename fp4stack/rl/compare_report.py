@@ -218,9 +218,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             values = [max(float(m[key]), 1e-12) for m in metrics]
             ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
             ax.plot(steps, rolling_mean(values, SMOOTH_STEPS), color=colour, label=label)
-        rewards = rolling_mean([m["reward"] for m in metrics], SMOOTH_STEPS)
-        rx.plot(steps, rewards, color=colour, alpha=0.3, linewidth=0.8)
         evals = [(m["step"], m["pass_at_1"]) for m in records if "pass_at_1" in m]
+        rewards = rolling_mean([m["reward"] for m in metrics], SMOOTH_STEPS)
+        # A run without evaluations (eval_every 0) is named by its reward line.
+        rx.plot(steps, rewards, color=colour, alpha=0.3, linewidth=0.8,
+                label=None if evals else label)
         if evals:
             rx.plot(*zip(*evals, strict=True), "o-", color=colour, markersize=3, label=label)
     kx.set_yscale("log")

@@ -146,16 +146,17 @@ def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,
     """
     if jobs < 1:
         raise ValueError(f"jobs (--jobs) must be >= 1, got {jobs}")
-    # (label, directory name, overrides) per run and swept value; every name checked first.
-    # The label is the run's full name (a quads run with its share and mode, as the config
-    # fills them in), as `--report-from` names it; the directory keeps the name as typed.
-    variants = [(run_name(cfg.with_overrides(**o).to_dict()), name, o)
-                for name, o in ((name, parse_run(name)) for name in runs)]
+    # (directory name, overrides, label suffix) per run and swept value; every name checked
+    # first. A run's label is its full name (a quads run with the share and mode its config
+    # gives it), as `--report-from` names it; the directory keeps the name as typed.
+    variants = [(name, parse_run(name), "") for name in runs]
     if sweep is not None:
         field_name, values = parse_sweep(sweep, cfg)
-        variants = [(f"{label} {field_name}={raw}", f"{dirname}-{field_name}{raw}",
-                     {**overrides, field_name: value})
-                    for label, dirname, overrides in variants for raw, value in values]
+        variants = [(f"{dirname}-{field_name}{raw}", {**overrides, field_name: value},
+                     f" {field_name}={raw}")
+                    for dirname, overrides, _ in variants for raw, value in values]
+    variants = [(run_name(cfg.with_overrides(**o).to_dict()) + suffix, dirname, o)
+                for dirname, o, suffix in variants]
     seeds = list(seeds) if seeds else [cfg.seed]
     out = Path(out)
     labels = [label for label, _, _ in variants]

@@ -118,8 +118,7 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None
     if cfg.engine_device != ENGINE_PROCESS:
         return _run_rl(cfg, resolve_device(cfg.device), log, cache_dir)
     # The engine process waits for the trainer's first message through the SFT warm-up
-    env = distributed.setup(cfg.device, timeout=ENGINE_WAIT)
-    try:
+    with distributed.process_group(cfg.device, timeout=ENGINE_WAIT) as env:
         if env.world_size != 2:
             raise ValueError(
                 "engine_device: process runs the trainer and the rollout engine as the two "
@@ -130,8 +129,6 @@ def run_rl(cfg: RLConfig, log=print, cache_dir: str | os.PathLike | None = None
             serve_engine(cfg, env.device, log)
             return None
         return _run_rl(cfg, env.device, log, cache_dir)
-    finally:
-        distributed.teardown(env)
 
 
 def _run_rl(cfg: RLConfig, device: torch.device, log, cache_dir) -> dict[str, Any]:

@@ -7,8 +7,10 @@ torch.distributed, so the plain path has no distributed code in it at all.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +57,29 @@ def setup(device_name: str, timeout: datetime.timedelta | None = None) -> DistEn
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
 
 
-def teardown(env: DistEnv) -> None:
+def teardown(env: DistEnv, synchronize: bool = False) -> None:
+    """Leave the process group this process created. synchronize: first wait for every rank
+    (a run that ended well), so that no rank closes its connections while another still
+    talks over them; after an error no rank waits for the others."""
     if env.owns_group and dist.is_initialized():
+        if synchronize and env.distributed:
+            # A rank that failed has left without waiting: its own error reports the run.
+            with contextlib.suppress(RuntimeError):
+                barrier(env)
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(device_name: str, timeout: datetime.timedelta | None = None
+                  ) -> Iterator[DistEnv]:
+    """`setup` on entry and `teardown` on exit: synchronized when the block ends normally."""
+    env = setup(device_name, timeout)
+    try:
+        yield env
+    except BaseException:
+        teardown(env)
+        raise
+    teardown(env, synchronize=True)
 
 
 def barrier(env: DistEnv) -> None:

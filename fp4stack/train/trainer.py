@@ -273,22 +273,19 @@ def train(cfg: PretrainConfig, *, resume: bool = False, verbose: bool = False) -
     (its checkpoint at max_steps) trains nothing and returns its result.json unchanged; one past
     max_steps is a ValueError. verbose: print every module the recipe converted or kept (the
     ConversionSummary), not its one-line short form."""
-    env = distributed.setup(cfg.device)
-    try:
-        with deterministic_algorithms(cfg.deterministic):
-            run = start_run(cfg, resume, env, verbose)
-            if run.start_step == cfg.max_steps:
-                run.logger.close()
-                return _nothing_to_train(run)
-            from tqdm.auto import tqdm
+    with distributed.process_group(cfg.device) as env, \
+            deterministic_algorithms(cfg.deterministic):
+        run = start_run(cfg, resume, env, verbose)
+        if run.start_step == cfg.max_steps:
+            run.logger.close()
+            return _nothing_to_train(run)
+        from tqdm.auto import tqdm
 
-            run.bar = tqdm(total=cfg.max_steps, initial=run.start_step, unit="step",
-                           dynamic_ncols=True, disable=not (env.is_main and sys.stderr.isatty()))
-            try:
-                _loop(run)
-            finally:  # also on an error, so metrics.jsonl is flushed and closed
-                run.bar.close()
-                run.logger.close()
-            return _result(run)
-    finally:
-        distributed.teardown(env)
+        run.bar = tqdm(total=cfg.max_steps, initial=run.start_step, unit="step",
+                       dynamic_ncols=True, disable=not (env.is_main and sys.stderr.isatty()))
+        try:
+            _loop(run)
+        finally:  # also on an error, so metrics.jsonl is flushed and closed
+            run.bar.close()
+            run.logger.close()
+        return _result(run)

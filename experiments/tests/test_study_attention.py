@@ -54,7 +54,7 @@ def test_kernel_table_adds_little_to_the_reference(capsys):
     pytest.importorskip("triton")
     from fp4stack.nn.attention_kernels import triton_unsupported
 
-    s = sample(1, (1, 4, 64, 32))
+    s = sample(1, (1, 2, 64, 32))
     if triton_unsupported(s[0].float(), AttentionQuant(), None):
         pytest.skip("the Triton kernels do not run here")
     study.kernel_table([s])
@@ -63,8 +63,8 @@ def test_kernel_table_adds_little_to_the_reference(capsys):
     for row in rows:
         cells = [float(c) for c in re.findall(r"\d\.\d+e[+-]\d+", row)]
         vs_exact, vs_reference = cells[:4], cells[4:]
-        # measured: at most 0.24 of the error against exact attention (bf16 rounding flips some
-        # dŜ elements); the settings differ from one another by about half of it
+        # measured at this shape: at most 0.13 of the error against exact attention (bf16
+        # rounding flips some dŜ elements); the settings differ from one another by about half
         assert all(r < 0.3 * e for r, e in zip(vs_reference, vs_exact, strict=True)), row
 
 

@@ -16,6 +16,16 @@ from pathlib import Path
 from typing import Any
 
 STALE_DIR = ".stale"
+CONFIG_FILE = "config.json"
+
+
+def saved_config(run_dir: str | Path, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The config the run in run_dir was trained with (its config.json), every field its
+    version of fp4stack did not write at `defaults`; {} without config.json."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        return {}
+    return {**defaults, **json.loads(path.read_text())}
 
 
 def changed_fields(saved: dict[str, Any], now: dict[str, Any],
@@ -26,6 +36,14 @@ def changed_fields(saved: dict[str, Any], now: dict[str, Any],
     skip = set(ignore)
     return [f"{k} ({saved.get(k)!r} -> {v!r})" for k, v in now.items()
             if k not in skip and saved.get(k) != v]
+
+
+def stale_fields(run_dir: str | Path, now: dict[str, Any], defaults: dict[str, Any],
+                 ignore: Iterable[str] = ()) -> list[str]:
+    """changed_fields of the run in run_dir (saved_config) against `now`: [] when they agree
+    or when the run has no config.json."""
+    saved = saved_config(run_dir, defaults)
+    return changed_fields(saved, now, ignore) if saved else []
 
 
 def set_aside(run_dir: Path, out: Path) -> Path:

@@ -264,6 +264,13 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = rope_cos_sin(positions, self.config.head_size,
                                                         self.config.rope_theta)
 
+    def _rope_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        # rope_cos_sin's bits at `positions`; tables built on meta (weights assigned since) are
+        # made on the input's device first.
+        if self.rope_cos.device != device:
+            self._make_rope_tables(device)
+        return self.rope_cos[positions], self.rope_sin[positions]
+
     def _apply(self, fn, recurse: bool = True):
         if self.rope_cos.is_meta:  # weights assigned to a meta model: nothing to copy here
             self.rope_cos, self.rope_sin = torch.empty(0), torch.empty(0)
@@ -291,9 +298,7 @@ class Transformer(nn.Module):
             positions = (real_all.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
             mask = padded_causal_mask(real_all, S)
             real = real_all[:, start:]  # the tokens the MoE aux loss balances
-        if self.rope_cos.device != idx.device:  # built on meta, weights assigned since
-            self._make_rope_tables(idx.device)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # = rope_cos_sin's bits
+        cos, sin = self._rope_at(positions, idx.device)
         x = self.embed_tokens(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i] if kv_caches else None, mask, real)
@@ -308,9 +313,7 @@ class Transformer(nn.Module):
         rows [B] bool: rows marked False run on zero hidden states, which every block maps to
         zero (no biases; RMSNorm, attention, SwiGLU, experts and quantizers keep 0 at 0), so a
         batch padded with such rows quantizes its real rows with the same amaxes."""
-        if self.rope_cos.device != idx.device:  # built on meta, weights assigned since
-            self._make_rope_tables(idx.device)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # = rope_cos_sin's bits
+        cos, sin = self._rope_at(positions, idx.device)
         x = self.embed_tokens(idx)
         if rows is not None:
             x = torch.where(rows[:, None, None], x, 0)

@@ -27,9 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..finished_runs import changed_fields, set_aside
+from .. import finished_runs
+from ..finished_runs import set_aside
 from ..parallel_runs import LOG_NAME, Job, run_jobs
-from .compare_report import run_name, saved_config, write_report
+from .compare_report import SAVED_DEFAULTS, run_name, write_report
 from .config import RUN_FIELDS, RLConfig, default_trainer
 from .start import warm_up_policy
 from .trainer import run_rl
@@ -119,9 +120,8 @@ _QUADS_ONLY = ("compensation", "compensation_mode", "calibration_size")
 def stale_fields(run_dir: Path, cfg: RLConfig) -> list[str]:
     """The fields, as "name (saved -> now)", in which the run in run_dir was trained with
     another value than cfg has ([] when they agree, or when it has no config.json)."""
-    saved = saved_config(run_dir)
     ignored = _NOT_COMPARED + (() if cfg.rollout.startswith("quads") else _QUADS_ONLY)
-    return changed_fields(saved, cfg.to_dict(), ignored) if saved else []
+    return finished_runs.stale_fields(run_dir, cfg.to_dict(), SAVED_DEFAULTS, ignored)
 
 
 def run_rl_comparison(cfg: RLConfig, runs: list[str], out: str | os.PathLike,

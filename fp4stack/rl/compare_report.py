@@ -18,13 +18,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .. import finished_runs
 from ..files import make_output_dir
 from ..finished_runs import STALE_DIR
 from ..train.metrics import read_metrics
 from .config import RUN_FIELDS, RLConfig, default_trainer
 
 RESULT_FILE = "result.json"
-CONFIG_FILE = "config.json"
 # Config fields that a run's name states, that every run of a comparison differs in, that only
 # say when a run stops (its steps are in the table), or how the same update is computed
 # (micro-batches change only the order of the gradient's sums).
@@ -140,15 +140,14 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RLConfig)
              if f.default is not dataclasses.MISSING}
 # Defaults that have changed: a config.json without the field was written under the old one.
 _FORMER_DEFAULTS = {"compensation": 0.05, "compensation_mode": "dynamic"}  # until 2026-12-07
+# What a config.json leaves out was at these values when it was written.
+SAVED_DEFAULTS = {**_DEFAULTS, **_FORMER_DEFAULTS}
 
 
 def saved_config(run_dir: Path) -> dict[str, Any]:
     """The config a finished run in run_dir was trained with, every field filled in (one its
     version of fp4stack did not have is at the default of the time); {} without config.json."""
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
-        return {}
-    return {**_DEFAULTS, **_FORMER_DEFAULTS, **json.loads(path.read_text())}
+    return finished_runs.saved_config(run_dir, SAVED_DEFAULTS)
 
 
 def _scalar(v: Any) -> bool:

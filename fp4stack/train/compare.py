@@ -14,8 +14,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import finished_runs
 from ..files import make_output_dir
-from ..finished_runs import changed_fields, set_aside
+from ..finished_runs import set_aside
 from ..nn.recipe import recipe as get_recipe
 from ..parallel_runs import LOG_NAME, Job, run_jobs
 from .checkpoint import latest_checkpoint
@@ -110,11 +111,8 @@ _NOT_COMPARED = ("out", "device", "log_every", "ckpt_every")
 def stale_fields(run_dir: Path, cfg: PretrainConfig) -> list[str]:
     """The fields, as "name (saved -> now)", in which the run (finished or interrupted) in
     run_dir was trained with another value than cfg has; [] without its config.json."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        return []
-    saved = {**PretrainConfig().to_dict(), **json.loads(path.read_text())}
-    return changed_fields(saved, cfg.to_dict(), _NOT_COMPARED)
+    return finished_runs.stale_fields(run_dir, cfg.to_dict(), PretrainConfig().to_dict(),
+                                      _NOT_COMPARED)
 
 
 def run_entry(entry: str) -> tuple[str, str | dict, str | None]:

@@ -131,7 +131,7 @@ def qkv(seed: int = 0, heads: tuple[int, int] = (4, 2), s: int = 24):
 
 
 def test_attention_ops_pass_opcheck():
-    q, k, v = qkv()
+    q, k, v = qkv(heads=(2, 1))  # two query heads a K/V head: grouped, at half the interpreted work
     seeds = [torch.tensor(11), torch.tensor(12), None]  # Q, K stochastic, V to nearest
     fwd_args = (q, k, v, True, 0.25, False, *seeds)
     torch.library.opcheck(attention_ops.attention_forward, fwd_args)

@@ -15,20 +15,37 @@ def row(run: str, seed: int, start: float, final: float, k3: float, dlogp: float
 
 ROWS = [row("bf16", 0, 0.40, 0.60, 0.0, 0.70), row("bf16", 1, 0.40, 0.64, 0.0, 0.72),
         row("nvfp4", 0, 0.40, 0.50, 0.9, 1.30), row("nvfp4", 1, 0.40, 0.56, 0.7, 1.20),
-        row("quads@0.5", 0, 0.40, 0.615, 0.2, 0.90), row("quads@0.25", 0, 0.40, 0.55, 0.3, 1.0)]
+        row("quads@0.5", 0, 0.40, 0.615, 0.2, 0.90), row("quads@0.5", 1, 0.40, 0.625, 0.2, 0.92),
+        row("quads@0.25", 0, 0.40, 0.55, 0.3, 1.0)]
 
 
 def test_claims_average_the_seeds_and_pick_the_best_quads_arm():
     table = quads_claims.claims(ROWS)
     assert [c["holds"] for c in table] == [True, True, True, True, True]
-    assert table[0]["here"] == "9.0 points below"  # (0.62 - 0.53) over the two seeds
-    assert table[1]["claim"].startswith("quads@0.5 ")  # 0.615 beats quads@0.25's 0.55
-    assert table[1]["here"] == "0.5 points below"
-    assert table[2]["here"] == "0.710 < 0.900 < 1.250"
+    assert table[0]["claim"].endswith("(seeds 0, 1)")
+    assert table[0]["here"] == "9.0 points below (per seed 10.0, 8.0)"  # 0.62 - 0.53
+    assert table[1]["claim"].startswith("quads@0.5 ")  # 0.62 beats quads@0.25's 0.55
+    assert table[1]["here"] == "0.0 points below (per seed -1.5, 1.5)"
+    assert table[2]["here"] == "0.710 < 0.910 < 1.250"
     assert table[3]["here"] == "4.00x below"  # mean k3 0.8 against 0.2
+    # The ratio arms share seed 0 only: quads@0.5's seed 1 stays out of the sweep.
     assert table[4]["claim"].startswith("max abs dlogp falls as the compensated ratio grows "
                                         "(25% / 50%")
+    assert table[4]["claim"].endswith(", seed 0)")
     assert (table[4]["paper"], table[4]["here"]) == ("0.901 > 0.854", "1.000 > 0.900")
+
+
+def test_arms_are_compared_over_the_seeds_they_share():
+    # quads@0.25 has seed 0 only: BF16 and naive NVFP4 are read at seed 0 too, not averaged
+    # over seeds the QUADS arm never ran.
+    table = quads_claims.claims(ROWS, quads="quads@0.25")
+    assert all(c["claim"].endswith("(seed 0)") for c in table[:4])
+    assert table[0]["here"] == "10.0 points below"  # 0.60 - 0.50; over both seeds: 9.0
+    assert table[2]["here"] == "0.700 < 1.000 < 1.300"
+    assert table[3]["here"] == "3.00x below"
+    lone = [*ROWS, row("quads@1", 2, 0.40, 0.70, 0.1, 0.8)]
+    with pytest.raises(ValueError, match="share no seed"):
+        quads_claims.claims(lone, quads="quads@1")
 
 
 def test_the_ratio_claim_takes_the_mode_with_most_ratios_and_can_fail():
@@ -38,7 +55,7 @@ def test_the_ratio_claim_takes_the_mode_with_most_ratios_and_can_fail():
             row("quads-token@0.25:static", 0, 0.4, 0.5, 0.5, 0.1),  # per-token: another method
             row("quads@0.25:static+tis", 0, 0.4, 0.5, 0.5, 0.1)]  # a correction: left out
     ratios = quads_claims.claims(rows)[4]
-    assert ratios["claim"].endswith("(12.5% / 50% / 100%, static)")
+    assert ratios["claim"].endswith("(12.5% / 50% / 100%, static, seed 0)")
     assert ratios["here"] == "2.000 > 2.500 > 1.500"
     assert ratios["paper"] == "0.923 > 0.854 > 0.759"
     assert ratios["holds"] is False
@@ -48,8 +65,11 @@ def test_the_ratio_claim_takes_the_mode_with_most_ratios_and_can_fail():
 
 def test_a_named_arm_and_claims_that_fail():
     table = quads_claims.claims(ROWS, quads="quads@0.25")
+    assert [c["holds"] for c in table] == [True, False, True, True, True]
+    assert table[1]["here"] == "5.0 points below"
+    weak = [*ROWS, row("quads@0.125", 0, 0.40, 0.45, 0.5, 1.1)]
+    table = quads_claims.claims(weak, quads="quads@0.125")
     assert [c["holds"] for c in table] == [True, False, True, False, True]
-    assert table[1]["here"] == "7.0 points below"
 
 
 def test_missing_runs_are_named(tmp_path, capsys):
@@ -61,6 +81,9 @@ def test_missing_runs_are_named(tmp_path, capsys):
     path.write_text(json.dumps(ROWS[:2]))
     assert quads_claims.main([str(path)]) == 2
     assert "no 'nvfp4' run" in capsys.readouterr().err
+    path.write_text(json.dumps([*ROWS, row("quads@1", 2, 0.40, 0.70, 0.1, 0.8)]))
+    assert quads_claims.main([str(path), "--quads", "quads@1"]) == 2
+    assert "share no seed" in capsys.readouterr().err
     path.write_text(json.dumps(ROWS))
     assert quads_claims.main([str(path)]) == 0
     assert "| naive NVFP4 ends >= 5 points" in capsys.readouterr().out

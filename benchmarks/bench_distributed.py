@@ -1,14 +1,15 @@
 """Pretraining on several GPUs: scaling efficiency and the loss curve against one GPU.
 
-For each recipe and wrapping (ddp, fsdp2) it trains the config for --steps steps on one process
-and under torchrun on each --nproc count, with the same global batch, and reports tokens/s, its
-share per GPU against the one-GPU run (the scaling efficiency), and how far each step's loss is
-from the one-GPU run's (relative). With the same global batch every rank trains whole
-micro-batches of it, so the curves should agree to the fp32 sum order until a quantized value
-flips. Runs are written under --work (kept: each is an ordinary run directory).
+For each recipe and wrapping (ddp, fsdp2, fsdp2-nvfp4: FSDP2 with NVFP4 all-gathers) it trains
+the config for --steps steps on one process and under torchrun on each --nproc count, with the
+same global batch, and reports tokens/s, its share per GPU against the one-GPU run (the scaling
+efficiency), and how far each step's loss is from the one-GPU run's (relative). With the same
+global batch every rank trains whole micro-batches of it, so the curves should agree to the fp32
+sum order until a quantized value flips. Runs are written under --work (kept: each is an
+ordinary run directory).
 
     python benchmarks/bench_distributed.py --config configs/pretrain/small.yaml \\
-        --recipes bf16,nvfp4-nvidia --modes ddp,fsdp2 --nproc 2 --steps 60 \\
+        --recipes bf16,nvfp4-nvidia --modes ddp,fsdp2,fsdp2-nvfp4 --nproc 2 --steps 60 \\
         --out benchmarks/results/bench_distributed.json --plot docs/distributed_small.png
 """
 
@@ -33,8 +34,11 @@ def command(config: str, recipe: str, mode: str, nproc: int, steps: int, out: Pa
            "--max-steps", str(steps), "--out", str(out), *extra]
     if nproc == 1:
         return [sys.executable, *run]
+    # "fsdp2-nvfp4": FSDP2 all-gathering the FP4 linear weights as NVFP4 bytes (fsdp_gather)
+    wrapping = ["--distributed", "fsdp2", "--fsdp-gather", "nvfp4"] if mode == "fsdp2-nvfp4" \
+        else ["--distributed", mode]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", *run, "--distributed", mode]
+            f"--nproc_per_node={nproc}", *run, *wrapping]
 
 
 def read_steps(out: Path) -> list[dict]:
@@ -84,7 +88,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/pretrain/small.yaml")
     p.add_argument("--recipes", default="bf16,nvfp4-nvidia")
-    p.add_argument("--modes", default="ddp,fsdp2")
+    p.add_argument("--modes", default="ddp,fsdp2",
+                   help="wrappings: ddp, fsdp2 (fp32 all-gathers), fsdp2-nvfp4 (NVFP4 ones)")
     p.add_argument("--nproc", default=None,
                    help="comma-separated process counts besides 1 (default: every visible GPU)")
     p.add_argument("--steps", type=int, default=60)

@@ -116,6 +116,29 @@ def test_fsdp2_checkpoint_resumes_in_one_process(runs):
     assert_close_runs(read_metrics(runs["single"]), read_metrics(runs["fsdp2"]))
 
 
+def test_fsdp2_nvfp4_all_gather_trains_as_the_fp32_all_gather(tmp_path):
+    """fsdp_gather: nvfp4 (each rank's rows of the FP4 linear weights quantized and all-gathered
+    as NVFP4 bytes): the same losses, gradient norms, validation losses (with every quantizer
+    off too: W gathered for it) and checkpointed weights as FSDP2's fp32 all-gather, exactly,
+    here with nvfp4's column-wise dgrad copies; and it resumes from its checkpoint."""
+    config = write_config(tmp_path, make_data(tmp_path / "data"), recipe="nvfp4",
+                          model="preset: tiny, n_kv_heads: 2")  # k/v rows: 32, two 16-row blocks
+    config.write_text(config.read_text().replace("n_kv_heads: 1, ", ""))
+    torchrun(config, tmp_path / "fp32", "fsdp2")
+    torchrun(config, tmp_path / "nvfp4", "fsdp2", "--fsdp-gather", "nvfp4")
+    a, b = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "nvfp4")
+    assert a == [{**r, "tokens_per_s": ra["tokens_per_s"]} for r, ra in zip(b, a, strict=True)]
+    assert "val_loss_high_precision" in a[-1]
+    wa = load_file(str(latest_checkpoint(tmp_path / "fp32") / "model.safetensors"))
+    wb = load_file(str(latest_checkpoint(tmp_path / "nvfp4") / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    torchrun(config, tmp_path / "nvfp4", "fsdp2", "--fsdp-gather", "nvfp4", "--resume",
+             "--max-steps", str(STEPS + 2))
+    resumed = read_metrics(tmp_path / "nvfp4")
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 3))
+    assert resumed[:STEPS] == b
+
+
 def test_fp4_moe_runs_match_one_process(tmp_path):
     """nvfp4-nvidia (2-D weight blocks, stochastically rounded gradients, Hadamard-transformed
     wgrad operands) on an MoE: both wrappings equal one process as BF16 does, to step 3."""
@@ -130,7 +153,8 @@ def test_fp4_moe_runs_match_one_process(tmp_path):
 
 def test_compiled_fsdp2_nvfp4_matches_eager_one_process(tmp_path):
     """compile: true under FSDP2 (each rank's forward and backward through torch.compile,
-    the blocks sharded): the losses and gradient norms of one eager process."""
+    the blocks sharded), with the fp32 and the NVFP4 all-gather: the losses and gradient norms
+    of one eager process."""
     config = write_config(tmp_path, make_data(tmp_path / "data"),
                           model="preset: tiny, n_layers: 1", recipe="nvfp4")
     text = config.read_text().replace("n_layers: 3, ", "")
@@ -139,6 +163,9 @@ def test_compiled_fsdp2_nvfp4_matches_eager_one_process(tmp_path):
     config.write_text(config.read_text() + "compile: true\n")
     torchrun(config, tmp_path / "fsdp2", "fsdp2")
     assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2"))
+    # the NVFP4 all-gather's forward compiled too (its amax refresh runs eagerly before it)
+    torchrun(config, tmp_path / "gather", "fsdp2", "--fsdp-gather", "nvfp4")
+    assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "gather"))
 
 
 # Where each optimizer keeps a rank's NVFP4 states in its state_dict, and one such state's key.
@@ -194,6 +221,8 @@ def test_scaling_benchmark_reads_the_runs(runs):
     assert "torch.distributed.run" not in one and "--distributed" not in one
     assert two[2:5] == ["torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert two[-3:] == ["--compile", "--distributed", "fsdp2"]
+    gather = bench.command("c.yaml", "nvfp4", "fsdp2-nvfp4", 2, 5, Path("o"), [])
+    assert gather[-4:] == ["--distributed", "fsdp2", "--fsdp-gather", "nvfp4"]
     # The first STEPS steps (the resume test above may have added two to the single run).
     single, ddp = (bench.read_steps(runs[k])[:STEPS] for k in ("single", "ddp"))
     row = bench.summarize(single, ddp, 2, skip=1)

@@ -6,6 +6,9 @@ values the forward multiplies by equal one process's. With every rank fed the sa
 logits equal one process's bit for bit, and so do the gradients FSDP2 reduce-scatters (the mean
 of equal values is that value). The training runs of test_distributed.py compare losses only
 (each rank trains other rows there, so fp32 sums differ in order); this checks the values.
+
+With fsdp_gather="nvfp4" each rank quantizes its own rows and FSDP2 all-gathers the NVFP4 bytes
+(train/fsdp_nvfp4.py): the same checks hold, bit for bit, and after an AdamW step too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.multiprocessing as mp
 from fp4stack.convert import quantize_model
 from fp4stack.models import GPT, GPTConfig
 from fp4stack.nn.linear import QuantLinear
-from fp4stack.train import distributed
+from fp4stack.train import distributed, fsdp_nvfp4
 
 RECIPES = ("nvfp4", "nvfp4-nvidia", "nvfp4-4over6", "lowrank-svd-4over6", "fullstack-paper",
            "qat-w")
@@ -31,7 +34,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous().view(torch.int32)
 
 
-def _check(recipe: str, rank: int) -> None:
+# Layers each recipe gathers in NVFP4 on two ranks (the first and last blocks of nvfp4-nvidia
+# are BF16; low-rank recipes read W itself and keep fp32).
+GATHERED = {"nvfp4": 16, "nvfp4-nvidia": 8, "nvfp4-4over6": 16, "lowrank-svd-4over6": 0,
+            "fullstack-paper": 0, "qat-w": 16}
+
+
+def _check(recipe: str, rank: int, gather: str = "fp32") -> None:
     torch.manual_seed(0)
     # four blocks: nvfp4-nvidia keeps the first and the last in BF16
     model = GPT(GPTConfig.tiny_moe(vocab_size=64, max_seq_len=32, moe_hidden=32,
@@ -44,7 +53,11 @@ def _check(recipe: str, rank: int) -> None:
             module.register_forward_pre_hook(
                 lambda m, args, name=name: seen.__setitem__(name, m.quantized_weight()))
     env = distributed.DistEnv(rank, 2, rank, torch.device("cpu"), owns_group=False)
-    sharded = distributed.wrap(model, "fsdp2", env)
+    sharded = distributed.wrap(model, "fsdp2", env, gather=gather)
+    if gather == "nvfp4":
+        plans = [m.nvfp4_gather for m in sharded.modules()
+                 if getattr(m, "nvfp4_gather", None) is not None]
+        assert len(plans) == GATHERED[recipe], f"{recipe}: {len(plans)} layers gathered"
     tokens = torch.randint(0, 64, (4, 25), generator=torch.Generator().manual_seed(1))
 
     def step(m):
@@ -66,6 +79,55 @@ def _check(recipe: str, rank: int) -> None:
                                   strict=True):
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         assert torch.equal(_bits(grad), _bits(p1.grad)), f"{recipe}: {name}'s gradient differs"
+    if gather == "fp32":
+        return
+    # An AdamW step on both, then a forward of the new weights: new amaxes, the same bits.
+    for m in (sharded, one):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        opt.step()
+        opt.zero_grad()
+    (logits, _), (want, _) = step(sharded), step(one)
+    assert torch.equal(_bits(logits), _bits(want)), f"{recipe}: logits differ after a step"
+    for (name, p), (_, p1) in zip(sharded.named_parameters(), one.named_parameters(),
+                                  strict=True):
+        assert torch.equal(_bits(p.full_tensor()), _bits(p1)), f"{recipe}: {name} differs"
+    sent, gathers = fsdp_nvfp4.gathered_bytes(sharded)
+    # Two forwards and two backwards: four gathers a layer, each of a rank's NVFP4 bytes:
+    # codes and scales of Q(W) (0.5625 bytes an element), and of the column-wise copy for
+    # nvfp4's and 4/6's dgrad.
+    assert gathers == 4 * len(plans)
+    per_element = 1.125 if model_has_dgrad(recipe) else 0.5625
+    elements = sum(m.weight.numel() for m in one.modules() if isinstance(m, QuantLinear)
+                   and m.recipe.w is not None and m.recipe.w.format == "nvfp4"
+                   and not m.recipe.lowrank)
+    assert sent == 4 * per_element * elements / 2, (recipe, sent, elements)
+
+
+def model_has_dgrad(recipe: str) -> bool:
+    from fp4stack.nn.recipe import recipe as get_recipe
+
+    return get_recipe(recipe).w_dgrad is not None
+
+
+def _check_nonfinite(rank: int) -> None:
+    """A NaN in one rank's rows of a weight: every rank raises the same ValueError, before any
+    rank starts an all-gather the other would not join."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny_moe(vocab_size=64, max_seq_len=32, moe_hidden=32, n_layers=2))
+    quantize_model(model, "nvfp4")
+    sharded = distributed.wrap(model, "fsdp2", distributed.DistEnv(
+        rank, 2, rank, torch.device("cpu"), owns_group=False), gather="nvfp4")
+    if rank == 1:
+        with torch.no_grad():
+            fsdp_nvfp4.unwrap(sharded.model.layers[1].self_attn.o_proj.weight.to_local())[0, 3] = \
+                float("nan")
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    try:
+        sharded(tokens)
+    except ValueError as e:
+        assert "model.layers.1.self_attn.o_proj" in str(e), e
+    else:
+        raise AssertionError("no error for a NaN weight")
 
 
 def _worker(rank: int, port: int, failures) -> None:
@@ -75,6 +137,8 @@ def _worker(rank: int, port: int, failures) -> None:
         torch.set_num_threads(1)
         for recipe in RECIPES:
             _check(recipe, rank)
+            _check(recipe, rank, gather="nvfp4")
+        _check_nonfinite(rank)
     except BaseException as e:  # reported to the parent with its message
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise

@@ -46,7 +46,7 @@ class _QuantLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, packed_w, recipe: Recipe, x_amax, w_amax):
+    def forward(ctx, x, weight, bias, packed_w, recipe: Recipe, x_amax, w_amax, dgrad_w):
         dtype = _compute_dtype(x)
         # Quantized in their own dtype, rounded once to the compute dtype inside the kernel.
         qw = (packed_w.to(dtype) if packed_w is not None
@@ -65,8 +65,12 @@ class _QuantLinearFn(torch.autograd.Function):
         y = qx @ qw.t()
         if bias is not None:
             y = y + bias.to(dtype)
-        wd = qw if recipe.w_dgrad is None else weight_operand(weight, recipe.w_dgrad,
-                                                              columnwise=True, dtype=dtype)
+        if recipe.w_dgrad is None:
+            wd = qw
+        elif dgrad_w is not None:
+            wd = dgrad_w.to(dtype)
+        else:
+            wd = weight_operand(weight, recipe.w_dgrad, columnwise=True, dtype=dtype)
         if not paired:
             xw = None
             if weight_grad:
@@ -89,19 +93,23 @@ class _QuantLinearFn(torch.autograd.Function):
         else:
             dx = quantize_operand(dy, recipe.dy, shared) @ wd
         db = dy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def quant_linear(x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  recipe: Recipe, *, packed: torch.Tensor | None = None, x_amax=None, w_amax=None,
-                 rc_channels: torch.Tensor | None = None, calibration: dict | None = None):
-    """y = x2 Wᵀ + b for x2 [T, K] with the GEMMs of `recipe`; `packed` is the dequantized
-    packed weight of an inference layer (then `weight` is None)."""
+                 rc_channels: torch.Tensor | None = None, calibration: dict | None = None,
+                 dgrad: torch.Tensor | None = None):
+    """y = x2 Wᵀ + b for x2 [T, K] with the GEMMs of `recipe`. `packed`: the forward operand's
+    values already quantized: the dequantized weight of an inference layer (then `weight` is
+    None), or FSDP2's NVFP4 all-gather's (`weight` is then the parameter that holds them and
+    takes the gradient), with `dgrad` the backward's column-wise operand where the recipe has
+    one."""
     if recipe.compensation is not None:
         return _compensated(x2, weight, bias, recipe, packed, x_amax, w_amax, rc_channels,
                             calibration)
     if recipe.quantizes or packed is not None:
-        return _QuantLinearFn.apply(x2, weight, bias, packed, recipe, x_amax, w_amax)
+        return _QuantLinearFn.apply(x2, weight, bias, packed, recipe, x_amax, w_amax, dgrad)
     return F.linear(x2, weight, bias)
 
 
@@ -161,6 +169,10 @@ class QuantLinear(PackedState, nn.Module):
         self.register_buffer("x_amax", None)  # calibrated static activation amax
         self.register_buffer("rc_channels", None)  # calibrated compensation channels
         self._calibration: dict | None = None
+        # Under FSDP2 with NVFP4 all-gathers (train/fsdp_nvfp4.py): the gather's plan, and the
+        # column-wise dgrad operand its last gather delivered; the weight then holds Q(W).
+        self.nvfp4_gather = None
+        self.gathered_dgrad: NVFP4Tensor | None = None
         if recipe.lowrank is not None:
             a, b = fit_factors(weight, recipe.w, recipe.lowrank.rank, recipe.lowrank.fit)
             if recipe.lowrank.trainable:
@@ -211,6 +223,9 @@ class QuantLinear(PackedState, nn.Module):
         """Q(W): the exact values the forward multiplies by."""
         if self.weight is None:
             return dequantize(self.packed_weight, dtype or torch.float32)
+        if self.nvfp4_gather is not None and not hasattr(self.weight, "to_local"):
+            # gathered: Q(W) itself, copied (FSDP2 frees the gathered storage on resharding)
+            return self.weight.detach().to(dtype or self.weight.dtype, copy=True)
         qw = quantize_operand(self.weight.detach(), self.recipe.w, self.shared_weight_amax())
         return qw.to(dtype or self.weight.dtype)
 
@@ -285,6 +300,8 @@ class QuantLinear(PackedState, nn.Module):
         # Training, calibration and CPU: the packed weight dequantized, then quant_linear;
         # `residual` (a split layer's W - L) in the master weight's place.
         recipe = self.recipe
+        if self.nvfp4_gather is not None:
+            return self._gathered_forward(x2)
         packed = dequantize(self.packed_weight, x2.dtype) if self.weight is None else None
         x_amax = self.x_amax if recipe.activation_amax == "static" else None
         if self._calibration is not None:
@@ -295,6 +312,29 @@ class QuantLinear(PackedState, nn.Module):
         return quant_linear(x2, weight, self.bias, recipe, packed=packed, x_amax=x_amax,
                             w_amax=w_amax, rc_channels=self.rc_channels,
                             calibration=self._calibration)
+
+    def _gathered_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        # FSDP2 all-gathered the weight as NVFP4: it holds Q(W) (its gradient is W's, as the
+        # straight-through quantizer's is), and the column-wise dgrad operand came with it.
+        plan = self.nvfp4_gather
+        if hasattr(self.weight, "to_local"):
+            raise RuntimeError(f"{plan.name}: forward with the weight still sharded; NVFP4 "
+                               "all-gathers run under FSDP2 (fully_shard)")
+        if not plan.matches(self.recipe):  # switched to high precision: W itself, gathered
+            if self.recipe.quantizes or (torch.is_grad_enabled() and self.weight.requires_grad):
+                raise RuntimeError(f"{plan.name}: its recipe changed from what the NVFP4 "
+                                   "all-gather quantizes; only a high-precision evaluation "
+                                   "(no gradient) may compute with W: train with "
+                                   "fsdp_gather: fp32")
+            return F.linear(x2, plan.full_weight(), self.bias)
+        dgrad = None
+        if self.recipe.w_dgrad is not None:
+            if self.gathered_dgrad is None:
+                raise RuntimeError(f"{plan.name}: no column-wise operand from the all-gather")
+            dgrad = dequantize(self.gathered_dgrad, _compute_dtype(x2)).t()
+        x_amax = self.x_amax if self.recipe.activation_amax == "static" else None
+        return quant_linear(x2, self.weight, self.bias, self.recipe, packed=self.weight,
+                            x_amax=x_amax, dgrad=dgrad)
 
     def _maybe_refresh(self) -> None:
         if not (self.training and _refreshes(self.recipe)):

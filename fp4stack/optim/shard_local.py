@@ -25,9 +25,16 @@ from ..formats.random import stream_seed
 
 
 def local_shard(p: Tensor) -> Tensor:
-    """A plain tensor aliasing p's local shard (p's own storage; p itself if not a DTensor)."""
+    """A plain tensor aliasing p's local shard (p's own storage; p itself if not a DTensor).
+    A local shard that wraps one plain tensor (a tensor subclass with FSDP2's all-gather hooks,
+    as train/fsdp_nvfp4.py makes) gives that tensor, which kernels can read by pointer."""
     with torch.no_grad():
-        return (p.to_local() if hasattr(p, "to_local") else p).detach()
+        t = (p.to_local() if hasattr(p, "to_local") else p).detach()
+        if type(t) is not Tensor and hasattr(t, "__tensor_flatten__"):
+            inner, _ = t.__tensor_flatten__()
+            if len(inner) == 1:
+                t = getattr(t, inner[0])
+        return t
 
 
 def shard_of(params: list[Tensor]) -> tuple[int, int] | None:

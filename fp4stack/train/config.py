@@ -42,6 +42,7 @@ def optimizer_states(optimizer: str, recipe_states: str) -> str:
 MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
                  "small": GPTConfig.small, "small-moe": GPTConfig.small_moe}
 DISTRIBUTED = ("ddp", "fsdp2")
+GATHERS = ("fp32", "nvfp4")  # what FSDP2 all-gathers FP4 linear weights as (fsdp_gather)
 # How the presets' data directories are built (named in the error when one is missing).
 DATA_COMMANDS = {
     "runs/data/tiny": "fp4stack data build --sources wikipedia --vocab-size 4096 "
@@ -108,6 +109,9 @@ class PretrainConfig:
     max_nan_skips: int = 5  # consecutive non-finite steps skipped before training stops
     out: str = "runs/pretrain/{recipe}"  # "{recipe}" is replaced by the recipe name
     distributed: str = "ddp"  # under torchrun with several processes: ddp or fsdp2
+    # What FSDP2 all-gathers the blocks' FP4 linear weights as: fp32 (the master weights) or
+    # nvfp4 (each rank's rows quantized, the same Q(W) bit for bit; train/fsdp_nvfp4.py)
+    fsdp_gather: str = "fp32"
     device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
     tensorboard: bool = True  # also write TensorBoard scalars when tensorboard is installed
     deterministic: bool = False  # bitwise-reproducible runs: no cuDNN attention (train/determinism)
@@ -172,6 +176,14 @@ class PretrainConfig:
                                  "optimizer_states is nvfp4), or remove adamw4_transform")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
+        if self.fsdp_gather not in GATHERS:
+            raise ValueError(f"fsdp_gather must be one of {GATHERS}, got {self.fsdp_gather!r}")
+        if self.fsdp_gather != "fp32" and self.distributed != "fsdp2":
+            raise ValueError(f"fsdp_gather: {self.fsdp_gather} needs distributed: fsdp2 (got "
+                             f"{self.distributed!r}); DDP keeps whole weights and gathers none")
+        if self.fsdp_gather == "nvfp4" and self.high_precision_tail:
+            raise ValueError("fsdp_gather: nvfp4 gathers Q(W), and high_precision_tail trains "
+                             "with W itself: use fsdp_gather: fp32 with a high-precision tail")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("data", "out"):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device import resolve_device
+from .config import GATHERS
 
 
 @dataclass
@@ -116,12 +117,19 @@ def gather_to_main(obj: object, env: DistEnv) -> list[object] | None:
     return out
 
 
-def wrap(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
+def wrap(model: nn.Module, mode: str, env: DistEnv, gather: str = "fp32") -> nn.Module:
     """DDP, or FSDP2 (`fully_shard` on every transformer block, then on the root).
 
     FSDP2 keeps fp32 parameters and all-gathers them in fp32; bf16 compute comes from autocast,
     as in the single-process and DDP paths, so every mode quantizes the same fp32 master weights.
+    gather="nvfp4": the blocks' FP4 linear weights are all-gathered as NVFP4 bytes instead, the
+    same values (train/fsdp_nvfp4.py); the layers it cannot take keep fp32, listed on rank 0.
     """
+    if gather not in GATHERS:
+        raise ValueError(f"fsdp_gather must be one of {GATHERS}, got {gather!r}")
+    if gather != "fp32" and mode != "fsdp2":
+        raise ValueError(f"fsdp_gather: {gather} needs distributed: fsdp2 (got {mode!r}); "
+                         "DDP holds whole weights and gathers none")
     if not env.distributed:
         return model
     if mode == "ddp":
@@ -136,9 +144,27 @@ def wrap(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
         # The mesh on the run's device type: by default FSDP2 takes the machine's accelerator,
         # which a CPU (gloo) run on a GPU machine must not touch.
         mesh = init_device_mesh(env.device.type, (env.world_size,))
+        left: dict[str, str] = {}
+        if gather == "nvfp4":
+            from . import fsdp_nvfp4
+
+            # Only the blocks' layers: FSDP2 reshards a block after its forward, so the amaxes
+            # are refreshed from sharded rows; the root's own parameters may stay unsharded.
+            for i, block in enumerate(model.model.layers):
+                left |= {f"model.layers.{i}.{k}": v
+                         for k, v in fsdp_nvfp4.enable(block, env.world_size).items()}
         for block in model.model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if gather == "nvfp4":
+            fsdp_nvfp4.install(model, mesh.get_group())
+            if env.is_main:
+                n = sum(getattr(m, "nvfp4_gather", None) is not None for m in model.modules())
+                why: dict[str, int] = {}
+                for reason in left.values():
+                    why[reason] = why.get(reason, 0) + 1
+                print(f"fsdp2: {n} linear weights of the blocks all-gathered in NVFP4"
+                      + "".join(f"; {k} in fp32: {r}" for r, k in why.items()), flush=True)
         return model
     raise ValueError(f"distributed must be ddp or fsdp2, got {mode!r}")
 

@@ -124,7 +124,7 @@ def start_run(cfg: PretrainConfig, resume: bool, env: DistEnv, verbose: bool = F
         raise ValueError("weight_flips needs whole weights on each rank: use --distributed ddp "
                          "or set weight_flips: false")
     flips = WeightFlips(gpt) if cfg.weight_flips and env.is_main else None  # main logs
-    model = distributed.wrap(gpt, cfg.distributed, env)
+    model = distributed.wrap(gpt, cfg.distributed, env, gather=cfg.fsdp_gather)
     optimizer = build_from_config(model, cfg, fused=device.type == "cuda", shard_local=fsdp2,
                                   rank=env.rank, world_size=env.world_size)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"

@@ -14,6 +14,9 @@ overhead, syncs), which a second run on the same GPU can fill. On CPU only the C
         --recipes nvfp4 --vocab-size 4096 --device cpu      # random tokens, no data directory
     python benchmarks/profile_pretrain_step.py --config configs/pretrain/medium.yaml \\
         --recipes bf16,qat-w,nvfp4 --vocab-size 8192 --modes eager,compiled
+    python benchmarks/profile_pretrain_step.py --config configs/pretrain/small-docs.yaml \\
+        --recipes bf16,fullstack-nvidia-noreuse --vocab-size 8192 --modes compiled \\
+        --micro-batch-size 64                 # one micro-batch a step: its peak memory
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int
     apart, in warmup)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     step, params = _step_fn(cfg, vocab_size, device, mode)
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -138,6 +143,10 @@ def profile_recipe(cfg, vocab_size: int | None, device: torch.device, steps: int
         "gpu_busy": gpu / wall if device.type == "cuda" else None,
         "launches": sum(n for _, n, _ in kernel_rows),
         "host_syncs": syncs / steps,
+        # what a micro-batch size fits: the most this recipe's model, states and steps held
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
+                            if device.type == "cuda" else None),
+        "micro_batch_size": cfg.micro_batch_size,
         "kernels": kernel_rows[:top], "cpu_ops": cpu_rows[:top],
     }
 
@@ -151,15 +160,17 @@ def _table(rows, header: str) -> list[str]:
 def format_report(results: list[dict]) -> str:
     bf16 = {r.get("mode", "eager"): r["wall_ms"] for r in results if r["recipe"] == "bf16"}
     lines = ["| recipe | mode | wall ms/step | vs bf16 (same mode) | GPU kernel ms/step | "
-             "GPU busy | launches/step | host syncs/step | tokens/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "GPU busy | launches/step | host syncs/step | tokens/s | peak GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         mode = r.get("mode", "eager")
         gpu = "-" if r["gpu_kernel_ms"] is None else f"{r['gpu_kernel_ms']:.1f}"
         busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.0f}%"
         ratio = f"{r['wall_ms'] / bf16[mode]:.2f}x" if mode in bf16 else "-"
+        peak = r.get("peak_memory_gib")
         lines.append(f"| {r['recipe']} | {mode} | {r['wall_ms']:.1f} | {ratio} | {gpu} | {busy} | "
-                     f"{r['launches']:g} | {r['host_syncs']:g} | {r['tokens_per_s']:,.0f} |")
+                     f"{r['launches']:g} | {r['host_syncs']:g} | {r['tokens_per_s']:,.0f} | "
+                     f"{'-' if peak is None else f'{peak:.1f}'} |")
     for r in results:
         label = f"{r['recipe']} ({r.get('mode', 'eager')})"
         lines += ["", f"{label}: slowest kernels"] + _table(r["kernels"], "kernel")
@@ -179,6 +190,9 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="random tokens of this vocabulary instead of the config's data")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward (default: the config's); fewer micro-batches a "
+                   "step means fewer launches, at the memory the peak GiB column shows")
     p.add_argument("--modes", default="eager",
                    help="comma-separated: eager, compiled (the model through torch.compile; "
                         "the trainer refuses CUDA-graph modes, see PretrainConfig.compile)")
@@ -199,7 +213,8 @@ def main() -> None:
     for mode in modes:
         for name in args.recipes.split(","):
             label, recipe, optimizer = run_entry(name)  # "recipe[+optimizer]", as compare's
-            cfg = load_config(args.config, recipe=recipe, optimizer=optimizer, device=args.device)
+            cfg = load_config(args.config, recipe=recipe, optimizer=optimizer, device=args.device,
+                              micro_batch_size=args.micro_batch_size)
             print(f"profiling {name} ({mode}) on {device} ...", flush=True)
             r = profile_recipe(cfg, args.vocab_size, device, args.steps, args.warmup, args.top,
                                mode=mode)

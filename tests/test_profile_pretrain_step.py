@@ -24,8 +24,9 @@ def test_profiles_a_quantized_training_step_on_random_tokens():
     assert ops.get("_QuantLinearFn", 0) > 0  # the NVFP4 linears ran
     assert r["gpu_kernel_ms"] is None and r["gpu_busy"] is None and r["launches"] == 0
     report = prof.format_report([r]).splitlines()
-    assert report[2].startswith("| nvfp4 | eager | ") and report[2].count("|") == 10
+    assert report[2].startswith("| nvfp4 | eager | ") and report[2].count("|") == 11
     assert report[2].split("|")[4].strip() == "-"  # no BF16 row to compare with
+    assert r["peak_memory_gib"] is None and report[2].split("|")[10].strip() == "-"  # CPU
 
 
 def test_compiled_mode_times_the_compiled_model_against_bf16_in_the_same_mode():
@@ -50,11 +51,12 @@ def test_entries_name_an_optimizer_as_compare_does(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", [
         "profile_pretrain_step.py", "--config", str(ROOT / "configs/pretrain/tiny.yaml"),
         "--recipes", "bf16,bf16+root4", "--steps", "1", "--warmup", "1", "--top", "1",
-        "--vocab-size", "256", "--device", "cpu", "--out", str(out)])
+        "--vocab-size", "256", "--device", "cpu", "--out", str(out), "--micro-batch-size", "4"])
     prof.main()
     import json
     rows = json.loads(out.read_text())["results"]
     assert [r["recipe"] for r in rows] == ["bf16", "bf16+root4"]
+    assert [r["micro_batch_size"] for r in rows] == [4, 4]  # the config's is 16
     # Same seed and tokens: the timed step follows one update, by AdamW in one run and by
     # ROOT with NVFP4 states in the other, so the losses differ.
     assert rows[0]["loss"] != rows[1]["loss"]

@@ -154,18 +154,25 @@ def test_fp4_moe_runs_match_one_process(tmp_path):
 def test_compiled_fsdp2_nvfp4_matches_eager_one_process(tmp_path):
     """compile: true under FSDP2 (each rank's forward and backward through torch.compile,
     the blocks sharded), with the fp32 and the NVFP4 all-gather: the losses and gradient norms
-    of one eager process."""
+    of one eager process. The recipe is nvfp4's linears with a low-rank branch refitted every
+    second training forward: the compiled refit op, which under the NVFP4 all-gather gathers
+    W from the ranks' rows."""
+    recipe = "{preset: lowrank, name: lowrank-r2, lowrank: {refresh_every: 2}}"
     config = write_config(tmp_path, make_data(tmp_path / "data"),
-                          model="preset: tiny, n_layers: 1", recipe="nvfp4")
-    text = config.read_text().replace("n_layers: 3, ", "")
+                          model="preset: tiny, n_layers: 1, n_kv_heads: 2", recipe=recipe)
+    text = config.read_text().replace("n_layers: 3, ", "").replace("n_kv_heads: 1, ", "")
     config.write_text(text.replace(f"max_steps: {STEPS}", "max_steps: 2"))
     train(load_config(config, out=str(tmp_path / "single")))
     config.write_text(config.read_text() + "compile: true\n")
+    # Step 2 follows a refit from weights that compiled maths rounded otherwise: a quantized
+    # value may flip there (measured: 1.5e-4 relative in the loss).
     torchrun(config, tmp_path / "fsdp2", "fsdp2")
-    assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2"))
+    assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2"),
+                      exact_steps=1)
     # the NVFP4 all-gather's forward compiled too (its amax refresh runs eagerly before it)
     torchrun(config, tmp_path / "gather", "fsdp2", "--fsdp-gather", "nvfp4")
-    assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "gather"))
+    assert_close_runs(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "gather"),
+                      exact_steps=1)
 
 
 # Where each optimizer keeps a rank's NVFP4 states in its state_dict, and one such state's key.

@@ -33,7 +33,9 @@ def _layer(rows: int, name: str = "nvfp4", cols: int = 64) -> QuantLinear:
     ("qat-w", 24, None),  # 1x16 blocks only, no dgrad copy: any even split of the rows
     ("nvfp4", 24, "not a multiple of 32"),  # the dgrad copy's blocks span 16 rows
     ("nvfp4-nvidia", 48, "not a multiple of 32"),  # 16x16 tiles
-    ("lowrank-svd", 64, "low-rank"),
+    ("lowrank", 64, None),  # its branch's refit gathers W's rows
+    ("fullstack-nvidia-noreuse", 64, None),
+    ("lowrank-svd", 64, "SVDQuant's split"),
     ("w4a4-rc", 64, "compensated"),
     ("fp8", 64, "not NVFP4"),
     ("bf16", 64, "not quantized"),

@@ -233,7 +233,9 @@ class QuantLinear(PackedState, nn.Module):
     def refresh_lowrank(self) -> None:
         """Recompute the low-rank factors from the current W - Q(W) (fit="weight": from W)."""
         lr = self.recipe.lowrank
-        a, b = fit_factors(self.weight, self.recipe.w, lr.rank, lr.fit)
+        # under FSDP2's NVFP4 all-gather the layer holds Q(W): W comes from the ranks' rows
+        w = self.weight if self.nvfp4_gather is None else self.nvfp4_gather.full_weight()
+        a, b = fit_factors(w, self.recipe.w, lr.rank, lr.fit)
         self.lowrank_a.copy_(a)
         self.lowrank_b.copy_(b)
 
@@ -342,9 +344,12 @@ class QuantLinear(PackedState, nn.Module):
         every = self.recipe.lowrank.refresh_every
         if torch.compiler.is_compiling():
             # One op counts and refits, so the compiled forward has no graph break here.
-            count_and_refresh(self.lowrank_forwards, self.lowrank_a, self.lowrank_b,
-                              self.weight.detach(), every, spec_key(self.recipe.w),
-                              self.recipe.lowrank.fit)
+            plan = self.nvfp4_gather
+            weight, shards, key = ((self.weight.detach(), 1, 0) if plan is None
+                                   else (plan.rows, plan.shards, plan.key))
+            count_and_refresh(self.lowrank_forwards, self.lowrank_a, self.lowrank_b, weight,
+                              every, spec_key(self.recipe.w), self.recipe.lowrank.fit,
+                              shards, key)
             return
         n = int(self.lowrank_forwards) + 1  # on the CPU: no device sync
         self.lowrank_forwards.fill_(n)

@@ -9,6 +9,7 @@ from ..api import fake_quantize
 from ..formats.spec import QuantSpec
 from ..ops import spec_from_key
 from .lowrank_split import principal_factors
+from .rows import gather_rows
 
 
 def lowrank_factors(weight: torch.Tensor, spec: QuantSpec, rank: int):
@@ -33,10 +34,12 @@ def fit_factors(weight: torch.Tensor, spec: QuantSpec, rank: int, fit: str = "er
 @torch.library.custom_op("fp4stack::lowrank_count_and_refresh",
                          mutates_args=("count", "factor_a", "factor_b"))
 def count_and_refresh(count: torch.Tensor, factor_a: torch.Tensor, factor_b: torch.Tensor,
-                      weight: torch.Tensor, every: int, spec: str, fit: str = "error") -> None:
+                      weight: torch.Tensor, every: int, spec: str, fit: str = "error",
+                      shards: int = 1, group_key: int = 0) -> None:
     """One more training forward: `count` (int64 0-d) += 1, and when it reaches a multiple of
     `every` the factors are refitted in place (`fit_factors`: from W - Q(W), Q by `spec`, a
-    `spec_key`, or from W for fit="weight").
+    `spec_key`, or from W for fit="weight"). shards > 1: `weight` is this rank's rows of W,
+    all-gathered for the refit over the process group `nn.rows` has as `group_key`.
 
     A custom op so that torch.compile keeps the decision inside the graph, as one node: the
     count is read inside the op. QuantLinear keeps it on the CPU, so that read never waits for
@@ -44,11 +47,13 @@ def count_and_refresh(count: torch.Tensor, factor_a: torch.Tensor, factor_b: tor
     n = int(count) + 1
     count.fill_(n)
     if n % every == 0:
+        if shards > 1:
+            weight = gather_rows(weight, shards, group_key)
         a, b = fit_factors(weight, spec_from_key(spec), factor_a.shape[0], fit)
         factor_a.copy_(a)
         factor_b.copy_(b)
 
 
 @count_and_refresh.register_fake
-def _(count, factor_a, factor_b, weight, every, spec, fit="error"):
+def _(count, factor_a, factor_b, weight, every, spec, fit="error", shards=1, group_key=0):
     return None

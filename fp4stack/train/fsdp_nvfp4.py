@@ -8,16 +8,19 @@ again where the recipe's dgrad takes its own column-wise Q(W) (3.6x and 1.8x few
 BF16 all-gather). A rank's rows are whole blocks (1x16 blocks lie in a row; the column-wise
 operand's and 16x16 tiles' blocks span 16 rows, so shard boundaries must fall on multiples of
 16), and the global amax is the max of the ranks' amaxes (one all-reduce before each forward),
-so the gathered values are one process's Q(W) bit for bit, and so are the losses and gradients.
+so the gathered values are one process's Q(W) bit for bit, and so are the losses and gradients
+(compiled, to the rounding of the graph's other ops, which Inductor fuses otherwise).
 
 How: before `fully_shard`, `enable` makes each eligible layer's weight an `NVFP4GatherWeight`,
 a tensor subclass that behaves as its fp32 data everywhere (optimizers, checkpoints, clipping)
 and gives FSDP2 the two hooks of its all-gather extension: `fsdp_pre_all_gather` quantizes the
 local rows, `fsdp_post_all_gather` reads the gathered bytes back as the fp32 values of Q(W)
 (the unsharded parameter, which receives the gradient as before) and hands the column-wise
-operand to its layer. Layers that cannot be gathered this way (low-rank or compensated
-recipes, stochastically rounded weights, FP8, rows not divisible as above, MoE experts)
-keep FSDP2's fp32 all-gather; `enable` says which.
+operand to its layer. Where a recipe reads W itself (a low-rank branch's refit, a forward
+switched to high precision) the layer all-gathers its fp32 rows for it (`nn.rows`). Layers that
+cannot be gathered this way (SVDQuant's split, whose core sums over all of W's rows each
+forward; compensated recipes, stochastically rounded weights, FP8, rows not divisible as
+above, MoE experts) keep FSDP2's fp32 all-gather; `enable` says which.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..api import dequantize, global_amax, quantize
 from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from ..nn.linear import QuantLinear
+from ..nn.rows import gather_rows, register_group
 
 _BLOCK = 16
 
@@ -58,23 +62,18 @@ class GatherPlan:
         high precision, which computes with W itself)."""
         return recipe.w == self.spec and recipe.w_dgrad == self.dgrad_spec
 
-    @torch.no_grad()
+    key: int = 0  # the key of its process group in `nn.rows` (`install` registers it)
+
+    def __post_init__(self) -> None:
+        self.key = id(self)
+
     def full_weight(self) -> Tensor:
-        """W itself, fp32, all-gathered from the ranks' rows (for a forward without gradient
-        whose recipe no longer quantizes W: the evaluation with every quantizer off)."""
+        """W itself, fp32, all-gathered from the ranks' rows (where the recipe reads W: a
+        low-rank refit, the evaluation with every quantizer off)."""
         if self.rows is None:
             raise RuntimeError(f"{self.name}: no rows gathered yet")
-        rows = self.rows.contiguous()
-        out = rows.new_empty((rows.shape[0] * self.shards, *rows.shape[1:]))
-        # all_gather_single is all_gather_into_tensor's newer name (the old one warns in 2.13)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, rows, group=_GROUPS.get(id(self)))
-        return out
+        return gather_rows(self.rows, self.shards, self.key)
 
-
-# Each plan's process group, kept out of the plan: torch.compile guards on what a compiled
-# forward reads, and a process group cannot be copied into a guard.
-_GROUPS: dict[int, Any] = {}
 
 # The ops through which FSDP2 shards, pads and views a parameter: their results stay
 # NVFP4GatherWeight (with the plan), so the sharded local tensor keeps the all-gather hooks.
@@ -200,8 +199,11 @@ def ineligible(layer: QuantLinear, shards: int) -> str | None:
         return "its weight is not NVFP4"
     if r.w_dgrad is not None and r.w_dgrad.format != "nvfp4":
         return "its dgrad weight is not NVFP4"
-    if r.lowrank is not None:
-        return "a low-rank recipe reads W itself"
+    if r.lowrank is not None and (r.lowrank.fit == "weight" or r.lowrank.trainable):
+        # The split's core C = Bᵀ W Aᵀ sums over all of W's rows each forward; trainable
+        # factors are not refitted and gather as they are, but are not a preset: not tested.
+        return ("SVDQuant's split reads all of W each forward" if r.lowrank.fit == "weight"
+                else "trainable low-rank factors")
     if r.compensation is not None:
         return "a compensated recipe reads W itself"
     if any(s.rounding == "stochastic" for s in specs):
@@ -297,7 +299,7 @@ def install(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     runs before FSDP2's own, whose all-gathers need them)."""
     for m in model.modules():
         if getattr(m, "nvfp4_gather", None) is not None:
-            _GROUPS[id(m.nvfp4_gather)] = group
+            register_group(m.nvfp4_gather.key, group)
     model.register_forward_pre_hook(lambda module, args: refresh_amaxes(module, group),
                                     prepend=True)
 

@@ -335,8 +335,10 @@ class QuantLinear(PackedState, nn.Module):
                 raise RuntimeError(f"{plan.name}: no column-wise operand from the all-gather")
             dgrad = dequantize(self.gathered_dgrad, _compute_dtype(x2)).t()
         x_amax = self.x_amax if self.recipe.activation_amax == "static" else None
-        return quant_linear(x2, self.weight, self.bias, self.recipe, packed=self.weight,
-                            x_amax=x_amax, dgrad=dgrad)
+        # Q(W) passed apart from the parameter, detached: torch.compile traces no
+        # autograd.Function given one tensor twice
+        return quant_linear(x2, self.weight, self.bias, self.recipe,
+                            packed=self.weight.detach(), x_amax=x_amax, dgrad=dgrad)
 
     def _maybe_refresh(self) -> None:
         if not (self.training and _refreshes(self.recipe)):

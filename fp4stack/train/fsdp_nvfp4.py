@@ -8,8 +8,8 @@ again where the recipe's dgrad takes its own column-wise Q(W) (3.6x and 1.8x few
 BF16 all-gather). A rank's rows are whole blocks (1x16 blocks lie in a row; the column-wise
 operand's and 16x16 tiles' blocks span 16 rows, so shard boundaries must fall on multiples of
 16), and the global amax is the max of the ranks' amaxes (one all-reduce before each forward),
-so the gathered values are one process's Q(W) bit for bit, and so are the losses and gradients
-(compiled, to the rounding of the graph's other ops, which Inductor fuses otherwise).
+so the gathered values are one process's Q(W) bit for bit, and so are the losses and gradients,
+eager or compiled (the compiled graph is the fp32 all-gather's but for the weight quantizers).
 
 How: before `fully_shard`, `enable` makes each eligible layer's weight an `NVFP4GatherWeight`,
 a tensor subclass that behaves as its fp32 data everywhere (optimizers, checkpoints, clipping)
@@ -62,10 +62,9 @@ class GatherPlan:
         high precision, which computes with W itself)."""
         return recipe.w == self.spec and recipe.w_dgrad == self.dgrad_spec
 
-    key: int = 0  # the key of its process group in `nn.rows` (`install` registers it)
-
-    def __post_init__(self) -> None:
-        self.key = id(self)
+    # The key of its process group in `nn.rows` (`install` registers it), one for all of a
+    # model's layers: torch.compile guards on its value, and the blocks share one graph.
+    key: int = 0
 
     def full_weight(self) -> Tensor:
         """W itself, fp32, all-gathered from the ranks' rows (where the recipe reads W: a
@@ -297,9 +296,11 @@ def refresh_amaxes(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
 def install(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Refresh the amaxes before every forward of `model` (call after `fully_shard`: the hook
     runs before FSDP2's own, whose all-gathers need them)."""
+    key = id(model)
+    register_group(key, group)
     for m in model.modules():
         if getattr(m, "nvfp4_gather", None) is not None:
-            register_group(m.nvfp4_gather.key, group)
+            m.nvfp4_gather.key = key
     model.register_forward_pre_hook(lambda module, args: refresh_amaxes(module, group),
                                     prepend=True)
 

@@ -55,16 +55,15 @@ class GatherPlan:
     shards: int = 1
     name: str = ""
     rows: Tensor | None = None  # this rank's fp32 rows, as the last all-gather read them
+    # The key of its process group in `nn.rows` (`install` registers it), one for all of a
+    # model's layers: torch.compile guards on its value, and the blocks share one graph.
+    key: int = 0
     stats: dict[str, int] = field(default_factory=lambda: {"gathers": 0, "bytes": 0})
 
     def matches(self, recipe) -> bool:
         """Whether `recipe` quantizes the weight as this plan gathers it (not after a switch to
         high precision, which computes with W itself)."""
         return recipe.w == self.spec and recipe.w_dgrad == self.dgrad_spec
-
-    # The key of its process group in `nn.rows` (`install` registers it), one for all of a
-    # model's layers: torch.compile guards on its value, and the blocks share one graph.
-    key: int = 0
 
     def full_weight(self) -> Tensor:
         """W itself, fp32, all-gathered from the ranks' rows (where the recipe reads W: a

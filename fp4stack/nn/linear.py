@@ -302,10 +302,10 @@ class QuantLinear(PackedState, nn.Module):
         # Training, calibration and CPU: the packed weight dequantized, then quant_linear;
         # `residual` (a split layer's W - L) in the master weight's place.
         recipe = self.recipe
-        if self.nvfp4_gather is not None:
-            return self._gathered_forward(x2)
-        packed = dequantize(self.packed_weight, x2.dtype) if self.weight is None else None
         x_amax = self.x_amax if recipe.activation_amax == "static" else None
+        if self.nvfp4_gather is not None:
+            return self._gathered_forward(x2, x_amax)
+        packed = dequantize(self.packed_weight, x2.dtype) if self.weight is None else None
         if self._calibration is not None:
             self._calibration["amax"] = torch.maximum(self._calibration["amax"],
                                                       x2.detach().abs().amax().float().cpu())
@@ -315,7 +315,7 @@ class QuantLinear(PackedState, nn.Module):
                             w_amax=w_amax, rc_channels=self.rc_channels,
                             calibration=self._calibration)
 
-    def _gathered_forward(self, x2: torch.Tensor) -> torch.Tensor:
+    def _gathered_forward(self, x2: torch.Tensor, x_amax) -> torch.Tensor:
         # FSDP2 all-gathered the weight as NVFP4: it holds Q(W) (its gradient is W's, as the
         # straight-through quantizer's is), and the column-wise dgrad operand came with it.
         plan = self.nvfp4_gather
@@ -334,7 +334,6 @@ class QuantLinear(PackedState, nn.Module):
             if self.gathered_dgrad is None:
                 raise RuntimeError(f"{plan.name}: no column-wise operand from the all-gather")
             dgrad = dequantize(self.gathered_dgrad, _compute_dtype(x2)).t()
-        x_amax = self.x_amax if self.recipe.activation_amax == "static" else None
         # Q(W) passed apart from the parameter, detached: torch.compile traces no
         # autograd.Function given one tensor twice
         return quant_linear(x2, self.weight, self.bias, self.recipe,

@@ -43,6 +43,16 @@ MODEL_PRESETS = {"tiny": GPTConfig.tiny, "tiny-moe": GPTConfig.tiny_moe,
                  "small": GPTConfig.small, "small-moe": GPTConfig.small_moe}
 DISTRIBUTED = ("ddp", "fsdp2")
 GATHERS = ("fp32", "nvfp4")  # what FSDP2 all-gathers FP4 linear weights as (fsdp_gather)
+
+
+def check_gather(gather: str, distributed: str) -> None:
+    """ValueError naming the field and the fix unless `gather` is a GATHERS entry that the
+    wrapping `distributed` can take (an NVFP4 all-gather needs FSDP2)."""
+    if gather not in GATHERS:
+        raise ValueError(f"fsdp_gather must be one of {GATHERS}, got {gather!r}")
+    if gather != "fp32" and distributed != "fsdp2":
+        raise ValueError(f"fsdp_gather: {gather} needs distributed: fsdp2 (got {distributed!r});"
+                         " DDP keeps whole weights and gathers none")
 # How the presets' data directories are built (named in the error when one is missing).
 DATA_COMMANDS = {
     "runs/data/tiny": "fp4stack data build --sources wikipedia --vocab-size 4096 "
@@ -176,11 +186,7 @@ class PretrainConfig:
                                  "optimizer_states is nvfp4), or remove adamw4_transform")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
-        if self.fsdp_gather not in GATHERS:
-            raise ValueError(f"fsdp_gather must be one of {GATHERS}, got {self.fsdp_gather!r}")
-        if self.fsdp_gather != "fp32" and self.distributed != "fsdp2":
-            raise ValueError(f"fsdp_gather: {self.fsdp_gather} needs distributed: fsdp2 (got "
-                             f"{self.distributed!r}); DDP keeps whole weights and gathers none")
+        check_gather(self.fsdp_gather, self.distributed)
         if self.fsdp_gather == "nvfp4" and self.high_precision_tail:
             raise ValueError("fsdp_gather: nvfp4 gathers Q(W), and high_precision_tail trains "
                              "with W itself: use fsdp_gather: fp32 with a high-precision tail")

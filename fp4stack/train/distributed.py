@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device import resolve_device
-from .config import GATHERS
+from .config import check_gather
 
 
 @dataclass
@@ -125,11 +125,7 @@ def wrap(model: nn.Module, mode: str, env: DistEnv, gather: str = "fp32") -> nn.
     gather="nvfp4": the blocks' FP4 linear weights are all-gathered as NVFP4 bytes instead, the
     same values (train/fsdp_nvfp4.py); the layers it cannot take keep fp32, listed on rank 0.
     """
-    if gather not in GATHERS:
-        raise ValueError(f"fsdp_gather must be one of {GATHERS}, got {gather!r}")
-    if gather != "fp32" and mode != "fsdp2":
-        raise ValueError(f"fsdp_gather: {gather} needs distributed: fsdp2 (got {mode!r}); "
-                         "DDP holds whole weights and gathers none")
+    check_gather(gather, mode)
     if not env.distributed:
         return model
     if mode == "ddp":

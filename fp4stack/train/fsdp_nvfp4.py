@@ -39,6 +39,7 @@ from ..formats.spec import QuantSpec
 from ..formats.tensor import NVFP4Tensor
 from ..nn.linear import QuantLinear
 from ..nn.rows import gather_rows, register_group
+from ..optim.shard_local import local_shard
 
 _BLOCK = 16
 
@@ -240,7 +241,7 @@ def enable(model: nn.Module, shards: int) -> dict[str, str]:
 def _sharded(p: Tensor) -> Tensor | None:
     """This rank's rows of a parameter FSDP2 holds sharded (a DTensor), as a plain tensor;
     None while FSDP2 has it unsharded."""
-    return unwrap(p.to_local()).detach() if hasattr(p, "to_local") else None
+    return local_shard(p) if hasattr(p, "to_local") else None
 
 
 @torch.compiler.disable  # eager, also before a compiled forward: a collective and state
@@ -251,17 +252,18 @@ def refresh_amaxes(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     or Inf in any of those weights raises the same ValueError on every rank. Layers FSDP2
     holds unsharded keep their amaxes: they are not gathered again until resharded."""
     layers = [m for m in model.modules() if getattr(m, "nvfp4_gather", None) is not None
-              and _sharded(m.weight) is not None]
+              and hasattr(m.weight, "to_local")]
     if not layers:
         return
-    # Each layer's max |W|, and its amax group's siblings', gathered or not, then per layer
-    # the amaxes of a Hadamard-transformed operand where its spec has one.
+    # Each layer's max |W|, and its amax group's (a group lists every sibling, itself too),
+    # gathered or not; then per layer the amaxes of a Hadamard-transformed operand where its
+    # spec has one.
     members = list({id(s): s for m in layers for s in (m.amax_group or [m])}.values())
-    members += [m for m in layers if m not in members]
-    local = [_sharded(m.weight).abs().amax().float() for m in members]
+    rows = {id(m): _sharded(m.weight) for m in members}
+    local = [rows[id(m)].abs().amax().float() for m in members]
     extra: list[tuple[QuantLinear, str, int]] = []
     for m in layers:
-        plan, w = m.nvfp4_gather, _sharded(m.weight)
+        plan, w = m.nvfp4_gather, rows[id(m)]
         if plan.spec.hadamard and m.amax_group is None and m.weight_amax is None:
             extra.append((m, "amax", len(local)))
             local.append(global_amax(w, hadamard=True))

@@ -1,7 +1,5 @@
 """`python -m fp4stack` runs the `fp4stack` command."""
 
-import sys
+from .cli import program
 
-from .cli import main
-
-sys.exit(main())
+program()

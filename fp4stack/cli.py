@@ -10,6 +10,7 @@ subcommand is one more such module and one more entry in COMMANDS.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -148,5 +149,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.run(args)
 
 
+def program() -> None:
+    """The `fp4stack` executable: `main` on sys.argv, then exit with its status."""
+    status = main()
+    if status == 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun rank whose run ended well has closed everything it writes. FSDP2's DTensor
+        # caches keep the process group, and so gloo's worker threads, alive past
+        # destroy_process_group: a worker that drops a tensor while the interpreter finalizes
+        # aborts the process ("terminate called without an active exception") after the run
+        # succeeded. Leaving without finalization cannot meet that.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

@@ -197,3 +197,28 @@ def test_rl_flags_offer_exactly_the_configs_choices():
     assert command.TRAINERS == config.TRAINERS
     assert command.CORRECTIONS == config.CORRECTIONS
     assert command.ENGINES == fast_rollout.ENGINES
+
+
+PROGRAM = """
+import atexit, sys
+import fp4stack.cli as cli
+atexit.register(lambda: print("finalized", flush=True))
+cli.main = lambda: int(sys.argv[1])
+print("ran", flush=True)
+cli.program()
+"""
+
+
+@pytest.mark.parametrize(("world", "status"), [("2", 0), ("2", 3), ("1", 0), ("1", 3)])
+def test_program_leaves_a_finished_torchrun_rank_without_finalizing(world, status):
+    """A rank that ended well leaves before the interpreter finalizes (where process-group
+    threads kept alive by FSDP2 can abort it), its output flushed and status 0; a failed rank
+    and a single process exit normally with main's status."""
+    import os
+
+    env = {**os.environ, "WORLD_SIZE": world}
+    proc = subprocess.run([sys.executable, "-c", PROGRAM, str(status)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status
+    finalized = world == "1" or status != 0
+    assert proc.stdout.split() == (["ran", "finalized"] if finalized else ["ran"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import socket
 
 import torch
@@ -147,6 +148,9 @@ def _worker(rank: int, port: int, failures) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    # As `fp4stack.cli.program` does for a torchrun rank: FSDP2 keeps gloo's threads alive past
+    # destroy_process_group, and one can abort the interpreter's finalization.
+    os._exit(0)
 
 
 def test_fsdp2_quantizes_the_whole_weight_as_one_process_does():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -214,8 +215,6 @@ def test_program_leaves_a_finished_torchrun_rank_without_finalizing(world, statu
     """A rank that ended well leaves before the interpreter finalizes (where process-group
     threads kept alive by FSDP2 can abort it), its output flushed and status 0; a failed rank
     and a single process exit normally with main's status."""
-    import os
-
     env = {**os.environ, "WORLD_SIZE": world}
     proc = subprocess.run([sys.executable, "-c", PROGRAM, str(status)], env=env,
                           capture_output=True, text=True, timeout=120)

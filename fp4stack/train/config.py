@@ -53,6 +53,8 @@ def check_gather(gather: str, distributed: str) -> None:
     if gather != "fp32" and distributed != "fsdp2":
         raise ValueError(f"fsdp_gather: {gather} needs distributed: fsdp2 (got {distributed!r});"
                          " DDP keeps whole weights and gathers none")
+
+
 # How the presets' data directories are built (named in the error when one is missing).
 DATA_COMMANDS = {
     "runs/data/tiny": "fp4stack data build --sources wikipedia --vocab-size 4096 "

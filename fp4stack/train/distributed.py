@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -156,9 +157,7 @@ def wrap(model: nn.Module, mode: str, env: DistEnv, gather: str = "fp32") -> nn.
             fsdp_nvfp4.install(model, mesh.get_group())
             if env.is_main:
                 n = sum(getattr(m, "nvfp4_gather", None) is not None for m in model.modules())
-                why: dict[str, int] = {}
-                for reason in left.values():
-                    why[reason] = why.get(reason, 0) + 1
+                why = Counter(left.values())
                 print(f"fsdp2: {n} linear weights of the blocks all-gathered in NVFP4"
                       + "".join(f"; {k} in fp32: {r}" for r, k in why.items()), flush=True)
         return model

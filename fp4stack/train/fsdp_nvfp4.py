@@ -26,6 +26,7 @@ above, MoE experts) keep FSDP2's fp32 all-gather; `enable` says which.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,15 +218,13 @@ def ineligible(layer: QuantLinear, shards: int) -> str | None:
 def enable(model: nn.Module, shards: int) -> dict[str, str]:
     """Make every eligible QuantLinear weight of `model` an NVFP4GatherWeight (call before
     `fully_shard`); returns {layer name: why it keeps the fp32 all-gather} for the others."""
-    counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
+    counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     left: dict[str, str] = {}
     for name, layer in model.named_modules():
         if not isinstance(layer, QuantLinear):
             continue
         why = ineligible(layer, shards)
-        if why is None and counts.get(id(layer.weight), 0) > 1:
+        if why is None and counts[id(layer.weight)] > 1:
             why = "its weight is shared with another module"
         if why is not None:
             left[name] = why

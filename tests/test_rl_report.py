@@ -72,6 +72,23 @@ def test_arms_trained_apart_make_one_report(tmp_path, capsys):
     assert (out / "rl_compare.png").stat().st_size > 0
 
 
+def test_runs_picks_the_arms_of_a_report_in_the_order_named(tmp_path, capsys):
+    run_rl_comparison(_tiny(), ["bf16", "fp8", "quads@0.5"], tmp_path / "a", log=_quiet,
+                      verbose=False)
+    out = tmp_path / "two"
+    assert main(["rl-compare", "--report-from", str(tmp_path / "a"), "--runs",
+                 "quads@0.5:static,bf16", "--out", str(out)]) == 0
+    rows = json.loads((out / "rl_compare.json").read_text())
+    assert [r["run"] for r in rows] == ["quads@0.5:static", "bf16"]
+    capsys.readouterr()
+    # A name as typed for training, not as the report names it, is refused with the names found.
+    assert main(["rl-compare", "--report-from", str(tmp_path / "a"), "--runs", "quads@0.5",
+                 "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "no finished run named quads@0.5;" in err and "bf16, fp8, quads@0.5:static" in err
+    assert not (tmp_path / "none").exists()
+
+
 def test_runs_that_differ_in_a_field_are_named_by_it_and_other_starts_are_flagged(tmp_path,
                                                                                    capsys):
     run_rl_comparison(_tiny(), ["bf16"], tmp_path / "a", log=_quiet, verbose=False)

@@ -62,10 +62,12 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--runs", default="bf16,fp8,nvfp4,nvfp4+tis,quads",
+    p.add_argument("--runs",
                    help="comma-separated runs, each ROLLOUT[@FRACTION][:static|:dynamic]"
                         "[/TRAINER][+tis], e.g. quads@0.5, quads@0.25:dynamic, w4a16, "
-                        "nvfp4-token/qat-w (default bf16,fp8,nvfp4,nvfp4+tis,quads)")
+                        "nvfp4-token/qat-w (default bf16,fp8,nvfp4,nvfp4+tis,quads); with "
+                        "--report-from, the runs to report, named as its table names them "
+                        "(default: every run found)")
     p.add_argument("--seeds", help="comma-separated seeds: every run once per seed, each seed "
                                    "from its own SFT start (default: the config's seed)")
     p.add_argument("--sweep", metavar="FIELD=V1,V2,...",
@@ -120,10 +122,12 @@ def run_rl_command(args: argparse.Namespace) -> int:
 
 
 def _report_from(args: argparse.Namespace) -> int:
-    from .compare_report import collect_rows, start_conflicts, write_report
+    from .compare_report import collect_rows, select_runs, start_conflicts, write_report
 
     try:
         rows = collect_rows([d for d in args.report_from.split(",") if d])
+        if args.runs:
+            rows = select_runs(rows, [r for r in args.runs.split(",") if r])
         write_report(rows, Path(args.out))
     except (ValueError, FileNotFoundError) as e:
         return _fail("rl-compare", e)
@@ -134,14 +138,15 @@ def _report_from(args: argparse.Namespace) -> int:
 
 def run_compare_command(args: argparse.Namespace) -> int:
     from ..parallel_runs import RunsFailedError
-    from .compare import run_rl_comparison
+    from .compare import DEFAULT_RUNS, run_rl_comparison
     from .compare_report import format_table
 
     if args.report_from:
         return _report_from(args)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
-        rows = run_rl_comparison(_config(args), [r for r in args.runs.split(",") if r], args.out,
+        runs = [r for r in args.runs.split(",") if r] if args.runs else list(DEFAULT_RUNS)
+        rows = run_rl_comparison(_config(args), runs, args.out,
                                  verbose=args.verbose, seeds=seeds, jobs=args.jobs,
                                  sweep=args.sweep)
     except (ValueError, FileNotFoundError, ImportError) as e:

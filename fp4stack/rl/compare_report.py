@@ -180,6 +180,17 @@ def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (order[r["run"]], r["seed"] or 0))
 
 
+def select_runs(rows: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """The rows of the runs named (as collect_rows names them), in the order named: a report of
+    a few arms of a larger comparison. ValueError naming what is there when a name is not."""
+    found = dict.fromkeys(r["run"] for r in rows)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"--runs: no finished run named {', '.join(missing)}; the runs found "
+                         f"are {', '.join(found)}")
+    return [r for n in dict.fromkeys(names) for r in rows if r["run"] == n]
+
+
 SMOOTH_STEPS = 10  # the plot's running mean of the per-step mismatch
 
 

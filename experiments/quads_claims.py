@@ -6,7 +6,8 @@ Reads the rl_compare.json of a comparison (one `rl-compare`, or several merged w
 whether it holds here. The runs it looks for are named as rl-compare names them: bf16, nvfp4,
 and the QUADS arm given by --quads (default: of the quads@F runs, the one whose mean final
 pass@1 over its seeds is highest); with quads@F runs at two or more ratios, also whether the
-mismatch falls as the ratio grows, as the paper's ratio sweep found. Arms are compared over the
+mismatch falls as the ratio grows, as the paper's ratio sweep found; with a w4a16 run, whether
+the QUADS arm ends at or above it, as the paper's W4A16 ablation found. Arms are compared over the
 seeds they share (each seed's runs start from that seed's warm-up), so an arm with more seeds
 than another does not move a gap by its extra seeds' spread.
 
@@ -28,7 +29,8 @@ from fp4stack.rl.compare_report import seed_summary
 
 # The paper's numbers (average pass@1 in points, mismatch as the mean per-step max |dlogp|).
 PAPER = {"bf16_pass": 73.15, "naive_pass": 51.37, "quads_pass": 72.86,
-         "floor_dlogp": 0.74, "quads_dlogp": 0.86, "naive_dlogp": 1.3}
+         "floor_dlogp": 0.74, "quads_dlogp": 0.86, "naive_dlogp": 1.3,
+         "w4a16_pass": 71.1, "w4a16_compensated_pass": 72.9}  # the W4A16 QAT ablation
 # The paper's max |dlogp| gap per compensated-channel ratio.
 PAPER_RATIOS = {0.125: 0.923, 0.25: 0.901, 0.5: 0.854, 0.75: 0.812, 1.0: 0.759}
 
@@ -89,6 +91,24 @@ def ratio_claim(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
             "holds": all(a > b for a, b in zip(values, values[1:], strict=False))}
 
 
+def w4a16_claim(rows: list[dict[str, Any]], quads: str) -> dict[str, Any] | None:
+    """The paper's ablation: a W4A16 rollout with the weight-QAT trainer alone, and with the
+    residual compensation added, ends higher. Here: whether the QUADS arm ends at least as high
+    as the `w4a16` run, over the seeds they share; None without a w4a16 run or a shared seed."""
+    if "w4a16" not in {r["run"] for r in rows}:
+        return None
+    try:
+        seeds, paired = paired_summary(rows, ["w4a16", quads])
+    except ValueError:
+        return None
+    gain = 100 * (paired[quads]["pass_at_1"] - paired["w4a16"]["pass_at_1"])
+    paper = PAPER["w4a16_compensated_pass"] - PAPER["w4a16_pass"]
+    return {"claim": f"{quads} ends at or above the W4A16 rollout's pass@1 ({seed_list(seeds)})",
+            "paper": f"{paper:.1f} points above ({PAPER['w4a16_pass']} -> "
+                     f"{PAPER['w4a16_compensated_pass']})",
+            "here": f"{gain:+.1f} points", "holds": gain >= 0}
+
+
 def per_seed_gaps(rows: list[dict[str, Any]], a: str, b: str, seeds: list[int]) -> list[float]:
     """a's final pass@1 minus b's, in points, seed by seed."""
     final = {(r["run"], r["seed"]): r["final_pass_at_1"] for r in rows}
@@ -138,6 +158,7 @@ def claims(rows: list[dict[str, Any]], quads: str | None = None) -> list[dict[st
         {"claim": f"QUADS's mean k3 at least 3x below naive's ({over})", "paper": "not reported",
          "here": f"{k3_ratio:.2f}x below", "holds": k3_ratio >= 3},
         *([ratios] if (ratios := ratio_claim(rows)) else []),
+        *([ablation] if (ablation := w4a16_claim(rows, quads)) else []),
     ]
 
 

@@ -63,6 +63,20 @@ def test_the_ratio_claim_takes_the_mode_with_most_ratios_and_can_fail():
     assert len(quads_claims.claims(one_ratio)) == 4  # no ratio claim from one ratio
 
 
+def test_the_w4a16_ablation_compares_the_quads_arm_over_shared_seeds():
+    rows = [*ROWS, row("w4a16", 0, 0.40, 0.60, 0.01, 0.75)]
+    ablation = quads_claims.claims(rows)[-1]
+    assert ablation["claim"] == ("quads@0.5 ends at or above the W4A16 rollout's pass@1 "
+                                 "(seed 0)")
+    assert ablation["paper"] == "1.8 points above (71.1 -> 72.9)"
+    assert (ablation["here"], ablation["holds"]) == ("+1.5 points", True)  # 0.615 - 0.60
+    below = quads_claims.claims([*ROWS, row("w4a16", 0, 0.40, 0.62, 0.01, 0.75)])[-1]
+    assert (below["here"], below["holds"]) == ("-0.5 points", False)
+    # No shared seed, or no w4a16 run: no such row.
+    assert len(quads_claims.claims([*ROWS, row("w4a16", 5, 0.4, 0.6, 0.0, 0.7)])) == 5
+    assert len(quads_claims.claims(ROWS)) == 5
+
+
 def test_a_named_arm_and_claims_that_fail():
     table = quads_claims.claims(ROWS, quads="quads@0.25")
     assert [c["holds"] for c in table] == [True, False, True, True, True]

@@ -46,8 +46,9 @@ def test_the_docs_comparison_configs_differ_in_the_model_only():
     assert small.compile and base.compile
     tokens = [c.max_steps * c.global_batch_size * c.seq_len for c in (small, base)]
     assert tokens[0] == tokens[1] >= 200e6
-    assert named_recipes(ROOT / "configs/pretrain/small-docs.yaml") == [
-        "bf16", "bf16", "nvfp4-4over6", "nvfp4-4over6-attention", "lowrank-svd-4over6",
+    # Its commands train the BF16 baselines and the FP4 recipes apart, then report on them all.
+    assert list(dict.fromkeys(named_recipes(ROOT / "configs/pretrain/small-docs.yaml"))) == [
+        "bf16", "nvfp4-4over6", "nvfp4-4over6-attention", "lowrank-svd-4over6",
         "fullstack-paper", "fullstack-nvidia-noreuse"]
     sizes = [sum(p.numel() for p in GPT(c.model_config(8192)).parameters()) for c in (small, base)]
     assert 2 <= sizes[1] / sizes[0] <= 3  # "a 2-3x larger model"

@@ -87,6 +87,9 @@ def test_runs_picks_the_arms_of_a_report_in_the_order_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no finished run named quads@0.5;" in err and "bf16, fp8, quads@0.5:static" in err
     assert not (tmp_path / "none").exists()
+    assert main(["rl-compare", "--report-from", str(tmp_path / "a"), "--runs", ",",
+                 "--out", str(tmp_path / "none")]) == 2
+    assert "--runs names no run" in capsys.readouterr().err
 
 
 def test_runs_that_differ_in_a_field_are_named_by_it_and_other_starts_are_flagged(tmp_path,

@@ -183,6 +183,8 @@ def collect_rows(dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
 def select_runs(rows: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
     """The rows of the runs named (as collect_rows names them), in the order named: a report of
     a few arms of a larger comparison. ValueError naming what is there when a name is not."""
+    if not names:
+        raise ValueError("--runs names no run; give the report's names, e.g. bf16,nvfp4")
     found = dict.fromkeys(r["run"] for r in rows)
     missing = [n for n in names if n not in found]
     if missing:

@@ -315,7 +315,7 @@ class QuantLinear(PackedState, nn.Module):
                             w_amax=w_amax, rc_channels=self.rc_channels,
                             calibration=self._calibration)
 
-    def _gathered_forward(self, x2: torch.Tensor, x_amax) -> torch.Tensor:
+    def _gathered_forward(self, x2: torch.Tensor, x_amax: torch.Tensor | None) -> torch.Tensor:
         # FSDP2 all-gathered the weight as NVFP4: it holds Q(W) (its gradient is W's, as the
         # straight-through quantizer's is), and the column-wise dgrad operand came with it.
         plan = self.nvfp4_gather

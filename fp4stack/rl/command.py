@@ -22,6 +22,11 @@ CORRECTIONS = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
 ENGINES = ("auto", "fast", "reference")
 
 
+def _listed(text: str) -> list[str]:
+    """The non-empty names of a comma-separated flag value."""
+    return [name for name in text.split(",") if name]
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (presets: configs/rl/*.yaml); default: the "
                    "built-in defaults (tiny MoE GPT on 2-digit addition)")
@@ -125,9 +130,9 @@ def _report_from(args: argparse.Namespace) -> int:
     from .compare_report import collect_rows, select_runs, start_conflicts, write_report
 
     try:
-        rows = collect_rows([d for d in args.report_from.split(",") if d])
+        rows = collect_rows(_listed(args.report_from))
         if args.runs:
-            rows = select_runs(rows, [r for r in args.runs.split(",") if r])
+            rows = select_runs(rows, _listed(args.runs))
         write_report(rows, Path(args.out))
     except (ValueError, FileNotFoundError) as e:
         return _fail("rl-compare", e)
@@ -144,8 +149,8 @@ def run_compare_command(args: argparse.Namespace) -> int:
     if args.report_from:
         return _report_from(args)
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else None
-        runs = [r for r in args.runs.split(",") if r] if args.runs else list(DEFAULT_RUNS)
+        seeds = [int(s) for s in _listed(args.seeds)] if args.seeds else None
+        runs = _listed(args.runs) if args.runs else list(DEFAULT_RUNS)
         rows = run_rl_comparison(_config(args), runs, args.out,
                                  verbose=args.verbose, seeds=seeds, jobs=args.jobs,
                                  sweep=args.sweep)
